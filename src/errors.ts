@@ -1,0 +1,69 @@
+/**
+ * One error family for the whole library. Every error thrown or rejected by
+ * async-rdma is an {@link RdmaError} with a stable `code`; where a verbs
+ * work-completion status caused it, `wcStatus` carries that status name.
+ *
+ * This module sits below every layer (transport included): it has no imports.
+ */
+
+export type RdmaErrorCode =
+  | "REMOTE_ACCESS"
+  | "REMOTE_INVALID_REQUEST"
+  | "REMOTE_OPERATION"
+  | "LOCAL_PROTECTION"
+  | "LOCAL_LENGTH"
+  | "RETRY_EXCEEDED"
+  | "RNR_RETRY_EXCEEDED"
+  | "FLUSHED"
+  | "LEASE_EXPIRED"
+  | "QUOTA_EXCEEDED"
+  | "CONNECTION_CLOSED"
+  | "CONNECTION_REFUSED"
+  | "PROTOCOL"
+  | "PROVIDER_UNAVAILABLE"
+  | "INVALID_ARGUMENT"
+  | "INVALID_STATE"
+  | "OUT_OF_RANGE"
+  | "RESOURCE_EXHAUSTED"
+  | "TIMEOUT"
+  | "ABORTED"
+  | "DEVICE";
+
+export interface RdmaErrorOptions {
+  /** Name of the verbs work-completion status, e.g. "REM_ACCESS_ERR". */
+  wcStatus?: string;
+  /** errno name for failures of a system call or a verbs call (e.g. "EINVAL"). */
+  errno?: string;
+  cause?: unknown;
+}
+
+/**
+ * @example
+ * try { await rdma.read(lmr, rmr); }
+ * catch (e) { if (e instanceof RdmaError && e.code === "REMOTE_ACCESS") renegotiate(); }
+ */
+export class RdmaError extends Error {
+  readonly code: RdmaErrorCode;
+  readonly wcStatus: string | undefined;
+  readonly errno: string | undefined;
+
+  constructor(code: RdmaErrorCode, message: string, options: RdmaErrorOptions = {}) {
+    super(message, options.cause === undefined ? undefined : { cause: options.cause });
+    this.name = "RdmaError";
+    this.code = code;
+    this.wcStatus = options.wcStatus;
+    this.errno = options.errno;
+  }
+}
+
+export function isRdmaError(e: unknown, code?: RdmaErrorCode): e is RdmaError {
+  return e instanceof RdmaError && (code === undefined || e.code === code);
+}
+
+/** Throws INVALID_ARGUMENT unless `v` is an integer in [min, max]. */
+export function checkInt(name: string, v: unknown, min: number, max: number): number {
+  if (typeof v !== "number" || !Number.isInteger(v) || v < min || v > max) {
+    throw new RdmaError("INVALID_ARGUMENT", `${name} must be an integer in [${min}, ${max}], got ${String(v)}`);
+  }
+  return v;
+}

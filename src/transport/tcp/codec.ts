@@ -1,0 +1,171 @@
+/**
+ * Wire format of the tcp provider, version 1. The only module that knows the
+ * byte layout; docs/wire-format.md describes the same table.
+ *
+ * Each QP uses two TCP streams: the one it dials carries its requests and the
+ * peer's responses to them; the one the peer dials carries the peer's
+ * requests and this QP's responses. (RC orders each direction independently,
+ * so two streams lose nothing and need no tie-break on who dials.)
+ *
+ * Every frame is a fixed 48-byte header followed by `payloadLen` bytes:
+ *
+ * | off | size | field      | meaning                                                        |
+ * |-----|------|------------|----------------------------------------------------------------|
+ * | 0   | 1    | magic      | 0xRD = 0xD7                                                    |
+ * | 1   | 1    | version    | 1                                                              |
+ * | 2   | 1    | type       | FrameType                                                      |
+ * | 3   | 1    | flags      | bit0 IMM present, bit1 SOLICITED                               |
+ * | 4   | 4    | psn        | packet sequence number of the request (24 bits used)           |
+ * | 8   | 4    | payloadLen | bytes after the header                                         |
+ * | 12  | 4    | rkey       | WRITE/READ/ATOMIC target key                                   |
+ * | 16  | 8    | raddr      | WRITE/READ/ATOMIC target address (u64, < 2^53)                 |
+ * | 24  | 4    | imm        | immediate data, big-endian as verbs carries it                 |
+ * | 28  | 4    | aux        | READ: length; ATOMIC: 0 CAS / 1 FADD; ACK: syndrome; HELLO: dstQp |
+ * | 32  | 8    | operand1   | ATOMIC: compare or add; ATOMIC_RESP: original value; HELLO: srcQp |
+ * | 40  | 8    | operand2   | ATOMIC: swap; ACK with RNR: the RNR timer code                 |
+ *
+ * All multi-byte fields are big-endian (network order).
+ */
+
+export const MAGIC = 0xd7;
+export const VERSION = 1;
+export const HEADER_LEN = 48;
+/** RC allows messages up to 2^31 bytes. */
+export const MAX_MESSAGE = 0x80000000;
+
+export const FrameType = {
+  HELLO: 1,
+  SEND: 2,
+  WRITE: 3,
+  READ_REQ: 4,
+  ATOMIC: 5,
+  ACK: 6,
+  READ_RESP: 7,
+  ATOMIC_RESP: 8,
+} as const;
+export type FrameType = (typeof FrameType)[keyof typeof FrameType];
+
+export const FrameFlags = { IMM: 1, SOLICITED: 2 } as const;
+
+/** ACK syndromes (IB AETH, by name). */
+export const Syndrome = {
+  ACK: 0,
+  RNR_NAK: 1,
+  NAK_INV_REQ: 2,
+  NAK_REM_ACCESS: 3,
+  NAK_REM_OP: 4,
+} as const;
+
+export interface FrameHeader {
+  type: number;
+  flags: number;
+  psn: number;
+  payloadLen: number;
+  rkey: number;
+  raddr: number;
+  imm: number;
+  aux: number;
+  op1: bigint;
+  op2: bigint;
+}
+
+export function newHeader(): FrameHeader {
+  return { type: 0, flags: 0, psn: 0, payloadLen: 0, rkey: 0, raddr: 0, imm: 0, aux: 0, op1: 0n, op2: 0n };
+}
+
+/** Header buffers are carved from an arena so a frame costs a view, not an allocation of its own. */
+let arena = Buffer.allocUnsafe(64 * 1024);
+let arenaOff = 0;
+
+export function encodeHeader(
+  type: FrameType,
+  flags: number,
+  psn: number,
+  payloadLen: number,
+  rkey: number,
+  raddr: number,
+  imm: number,
+  aux: number,
+  op1: bigint,
+  op2: bigint,
+): Buffer {
+  if (arenaOff + HEADER_LEN > arena.length) {
+    // Earlier headers may still be queued in a socket: never reuse, start a new arena.
+    arena = Buffer.allocUnsafe(64 * 1024);
+    arenaOff = 0;
+  }
+  const b = arena.subarray(arenaOff, arenaOff + HEADER_LEN);
+  arenaOff += HEADER_LEN;
+  b[0] = MAGIC;
+  b[1] = VERSION;
+  b[2] = type;
+  b[3] = flags;
+  b.writeUInt32BE(psn >>> 0, 4);
+  b.writeUInt32BE(payloadLen >>> 0, 8);
+  b.writeUInt32BE(rkey >>> 0, 12);
+  b.writeUInt32BE(Math.floor(raddr / 0x100000000) >>> 0, 16);
+  b.writeUInt32BE(raddr >>> 0, 20);
+  b.writeUInt32BE(imm >>> 0, 24);
+  b.writeUInt32BE(aux >>> 0, 28);
+  b.writeBigUInt64BE(BigInt.asUintN(64, op1), 32);
+  b.writeBigUInt64BE(BigInt.asUintN(64, op2), 40);
+  return b;
+}
+
+/**
+ * Decodes and validates a header. Returns an error string for a malformed
+ * frame (the caller moves the QP to ERR with that reason) or null.
+ */
+export function decodeHeader(b: Uint8Array, off: number, h: FrameHeader): string | null {
+  const dv = new DataView(b.buffer, b.byteOffset + off, HEADER_LEN);
+  if (dv.getUint8(0) !== MAGIC) return `bad magic 0x${dv.getUint8(0).toString(16)}`;
+  const ver = dv.getUint8(1);
+  if (ver !== VERSION) return `wire version ${ver} not supported (this side speaks ${VERSION})`;
+  h.type = dv.getUint8(2);
+  h.flags = dv.getUint8(3);
+  h.psn = dv.getUint32(4);
+  h.payloadLen = dv.getUint32(8);
+  h.rkey = dv.getUint32(12);
+  const hi = dv.getUint32(16);
+  if (hi >= 0x200000) return "remote address beyond 2^53";
+  h.raddr = hi * 0x100000000 + dv.getUint32(20);
+  h.imm = dv.getUint32(24);
+  h.aux = dv.getUint32(28);
+  h.op1 = dv.getBigUint64(32);
+  h.op2 = dv.getBigUint64(40);
+  if (h.flags & ~3) return `unknown flags 0x${h.flags.toString(16)}`;
+  if (h.payloadLen > MAX_MESSAGE) return `payload length ${h.payloadLen} exceeds 2^31`;
+  switch (h.type) {
+    case FrameType.HELLO:
+    case FrameType.READ_REQ:
+    case FrameType.ATOMIC:
+    case FrameType.ACK:
+    case FrameType.ATOMIC_RESP:
+      if (h.payloadLen !== 0) return `frame type ${h.type} carries no payload, got ${h.payloadLen} bytes`;
+      break;
+    case FrameType.SEND:
+    case FrameType.WRITE:
+    case FrameType.READ_RESP:
+      break;
+    default:
+      return `unknown frame type ${h.type}`;
+  }
+  if (h.type === FrameType.READ_REQ && h.aux > MAX_MESSAGE) return `read length ${h.aux} exceeds 2^31`;
+  if (h.type === FrameType.ATOMIC && h.aux > 1) return `unknown atomic op ${h.aux}`;
+  if (h.type === FrameType.ACK && h.aux > Syndrome.NAK_REM_OP) return `unknown ACK syndrome ${h.aux}`;
+  return null;
+}
+
+/** IB RNR NAK timer encoding (IBA table 45) to milliseconds. */
+const RNR_TIMER_MS = [
+  655.36, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.12, 0.16, 0.24, 0.32, 0.48, 0.64, 0.96, 1.28, 1.92, 2.56, 3.84, 5.12, 7.68, 10.24,
+  15.36, 20.48, 30.72, 40.96, 61.44, 81.92, 122.88, 163.84, 245.76, 327.68, 491.52,
+];
+export function rnrTimerMs(code: number): number {
+  return RNR_TIMER_MS[code & 31] ?? 0.64;
+}
+
+/** Local ACK timeout exponent to milliseconds: 4.096 µs × 2^t (0 = infinite). */
+export function ackTimeoutMs(t: number): number {
+  return t === 0 ? Infinity : 0.004096 * 2 ** t;
+}

@@ -1,0 +1,1076 @@
+/**
+ * The tcp provider's RC queue pair: a requester (send queue, go-back-N on RNR,
+ * ACK timeout) and a responder (rkey/bounds/access checks, RNR NAK, in-order
+ * placement), each on its own TCP stream (see codec.ts).
+ */
+import net from "node:net";
+import { randomInt } from "node:crypto";
+import { RdmaError, checkInt } from "../../errors.js";
+import {
+  Access,
+  QpState,
+  SendFlags,
+  WcFlags,
+  WcOpcode,
+  WcStatus,
+  WrOpcode,
+  type AsyncEvent,
+  type AsyncEventType,
+  type Endpoint,
+  type QpConnectAttr,
+  type QpInitAttr,
+  type QueuePair,
+  type RecvWr,
+  type SendWr,
+  type Sge,
+} from "../types.js";
+import {
+  FrameFlags,
+  FrameType,
+  HEADER_LEN,
+  MAX_MESSAGE,
+  Syndrome,
+  ackTimeoutMs,
+  decodeHeader,
+  encodeHeader,
+  newHeader,
+  rnrTimerMs,
+  type FrameHeader,
+} from "./codec.js";
+import type { TcpCq, TcpDevice, TcpMr, TcpMw, TcpPd } from "./device.js";
+
+const PSN_MASK = 0xffffff;
+const ENTRY_QUEUED = 0;
+const ENTRY_SENT = 1;
+const ENTRY_DONE = 2;
+
+/** A send-queue entry: the WR's fields copied at post time (the caller may reuse its objects). */
+interface SqEntry {
+  wrId: number;
+  opcode: number;
+  signaled: boolean;
+  fence: boolean;
+  sges: Sge[];
+  len: number;
+  inline: Uint8Array | null;
+  imm: number;
+  hasImm: boolean;
+  solicited: boolean;
+  remoteAddr: number;
+  rkey: number;
+  compareAdd: bigint;
+  swap: bigint;
+  mw: TcpMw | null;
+  bindRkey: number;
+  bindMr: TcpMr | null;
+  bindAddr: number;
+  bindLen: number;
+  bindAccess: number;
+  invalidateRkey: number;
+  psn: number;
+  state: number;
+  status: number;
+  rnrTries: number;
+  /** READ/ATOMIC: where the response lands, resolved at transmit. */
+  targets: Uint8Array[] | null;
+}
+
+interface RqEntry {
+  wrId: number;
+  sges: Sge[];
+}
+
+const WC_OF_WR: Record<number, number> = {
+  [WrOpcode.RDMA_WRITE]: WcOpcode.RDMA_WRITE,
+  [WrOpcode.RDMA_WRITE_WITH_IMM]: WcOpcode.RDMA_WRITE,
+  [WrOpcode.SEND]: WcOpcode.SEND,
+  [WrOpcode.SEND_WITH_IMM]: WcOpcode.SEND,
+  [WrOpcode.RDMA_READ]: WcOpcode.RDMA_READ,
+  [WrOpcode.ATOMIC_CMP_AND_SWP]: WcOpcode.COMP_SWAP,
+  [WrOpcode.ATOMIC_FETCH_AND_ADD]: WcOpcode.FETCH_ADD,
+  [WrOpcode.LOCAL_INV]: WcOpcode.LOCAL_INV,
+  [WrOpcode.BIND_MW]: WcOpcode.BIND_MW,
+};
+
+/** psn a is before b in 24-bit serial arithmetic. */
+function psnBefore(a: number, b: number): boolean {
+  return ((b - a) & PSN_MASK) !== 0 && ((b - a) & PSN_MASK) < 0x800000;
+}
+
+/**
+ * Incremental frame reader: header first (possibly split across chunks), then
+ * the payload copied straight into its placement (registered memory) as bytes
+ * arrive, with no reassembly buffer.
+ */
+class FrameReader {
+  private readonly hdrBuf = Buffer.alloc(HEADER_LEN);
+  private hdrFill = 0;
+  readonly h: FrameHeader = newHeader();
+  private remaining = 0;
+  private targets: Uint8Array[] | null = null;
+  private ti = 0;
+  private toff = 0;
+  stopped = false;
+  /** Set when the handler wants the rest of the current chunk (parking a socket). */
+  leftover: Buffer | null = null;
+
+  constructor(
+    public onHeader: (h: FrameHeader) => void,
+    public onPayloadDone: (h: FrameHeader) => void,
+    public onMalformed: (reason: string) => void,
+  ) {}
+
+  /** Called from onHeader: where the payload goes (null = discard). */
+  place(targets: Uint8Array[] | null): void {
+    this.targets = targets;
+    this.ti = 0;
+    this.toff = 0;
+  }
+
+  feed(chunk: Buffer): void {
+    let off = 0;
+    const len = chunk.length;
+    while (off < len && !this.stopped) {
+      if (this.remaining > 0) {
+        const n = Math.min(this.remaining, len - off);
+        if (this.targets !== null) this.scatter(chunk, off, n);
+        off += n;
+        this.remaining -= n;
+        if (this.remaining === 0) this.onPayloadDone(this.h);
+        continue;
+      }
+      let src: Buffer;
+      let at: number;
+      if (this.hdrFill === 0 && len - off >= HEADER_LEN) {
+        src = chunk;
+        at = off;
+        off += HEADER_LEN;
+      } else {
+        const n = Math.min(HEADER_LEN - this.hdrFill, len - off);
+        chunk.copy(this.hdrBuf, this.hdrFill, off, off + n);
+        this.hdrFill += n;
+        off += n;
+        if (this.hdrFill < HEADER_LEN) return;
+        this.hdrFill = 0;
+        src = this.hdrBuf;
+        at = 0;
+      }
+      const err = decodeHeader(src, at, this.h);
+      if (err !== null) {
+        this.stopped = true;
+        this.onMalformed(err);
+        return;
+      }
+      this.targets = null;
+      this.remaining = this.h.payloadLen;
+      this.onHeader(this.h);
+      if (this.stopped) {
+        if (off < len) this.leftover = chunk.subarray(off);
+        return;
+      }
+      if (this.remaining === 0) this.onPayloadDone(this.h);
+    }
+  }
+
+  private scatter(chunk: Buffer, off: number, n: number): void {
+    const ts = this.targets!;
+    while (n > 0 && this.ti < ts.length) {
+      const t = ts[this.ti]!;
+      const k = Math.min(n, t.length - this.toff);
+      t.set(chunk.subarray(off, off + k), this.toff);
+      this.toff += k;
+      off += k;
+      n -= k;
+      if (this.toff === t.length) {
+        this.ti++;
+        this.toff = 0;
+      }
+    }
+  }
+}
+
+/** First frame on an accepted socket must be HELLO naming the QP; then that QP's responder takes the stream. */
+export function acceptIncoming(device: TcpDevice, sock: net.Socket): void {
+  sock.setNoDelay(true);
+  let hello: { qp: TcpQueuePair; srcQp: number; psn: number } | null = null;
+  const reader = new FrameReader(
+    (h) => {
+      reader.stopped = true;
+      const target = h.type === FrameType.HELLO ? device.qps.get(h.aux) : undefined;
+      // No such QP: the requester sees its connection close and fails with RETRY_EXC_ERR, as verbs would after its retries.
+      if (!target || target.state === QpState.ERR) sock.destroy();
+      else hello = { qp: target, srcQp: Number(h.op1), psn: h.psn };
+    },
+    () => {},
+    () => sock.destroy(),
+  );
+  const onData = (chunk: Buffer): void => {
+    reader.feed(chunk);
+    if (reader.stopped) {
+      sock.off("data", onData);
+      clearTimeout(t);
+      if (hello !== null) hello.qp.incoming(sock, hello.srcQp, hello.psn, reader.leftover);
+    }
+  };
+  sock.on("data", onData);
+  sock.on("error", () => {});
+  // A connection that never says HELLO is dropped.
+  const t = setTimeout(() => sock.destroy(), 10_000);
+  t.unref();
+}
+
+export class TcpQueuePair implements QueuePair {
+  readonly pd: TcpPd;
+  readonly qpNum: number;
+  state: QpState = QpState.RESET;
+  readonly sendCq: TcpCq;
+  readonly recvCq: TcpCq;
+  readonly caps: { maxSendWr: number; maxRecvWr: number; maxSendSge: number; maxRecvSge: number; maxInlineData: number };
+  onEvent: ((e: AsyncEvent) => void) | null = null;
+  private readonly device: TcpDevice;
+  private readonly sqSigAll: boolean;
+  private readonly qpAccess: number;
+
+  // requester
+  private sq: SqEntry[] = [];
+  private sqHead = 0;
+  private txIdx = 0;
+  private ackIdx = 0;
+  private nextPsn = randomInt(0, PSN_MASK);
+  private readonly initialPsn = this.nextPsn;
+  private outstandingRd = 0;
+  private reqSock: net.Socket | null = null;
+  private reqReader: FrameReader | null = null;
+  private drainWait = false;
+  private rnrWait: NodeJS.Timeout | null = null;
+  private pendingLocalError: SqEntry | null = null;
+  private ackTimer: NodeJS.Timeout | null = null;
+  private lastProgress = 0;
+  private respTargetEntry: SqEntry | null = null;
+
+  // responder
+  private rq: RqEntry[] = [];
+  private rqHead = 0;
+  private respSock: net.Socket | null = null;
+  private respReader: FrameReader | null = null;
+  private parked: { sock: net.Socket; srcQp: number; psn: number; rest: Buffer | null } | null = null;
+  private ePsn = 0;
+  private rnrNakPsn = -1;
+  private ackPending = -1;
+  private curRecv: RqEntry | null = null;
+  private curWriteImm = false;
+  private respDiscard = false;
+
+  // connection attributes
+  private remote: Endpoint | null = null;
+  private timeoutMs = ackTimeoutMs(14);
+  private retryCnt = 7;
+  private rnrRetry = 7;
+  private minRnrTimer = 12;
+  private maxRdAtomic = 16;
+  readonly boundWindows = new Set<TcpMw>();
+
+  constructor(pd: TcpPd, init: QpInitAttr) {
+    const a = pd.device.attr;
+    this.pd = pd;
+    this.device = pd.device;
+    if (!init || typeof init !== "object") throw new RdmaError("INVALID_ARGUMENT", "createQp needs init attributes");
+    this.sendCq = init.sendCq as TcpCq;
+    this.recvCq = init.recvCq as TcpCq;
+    if (!this.sendCq || this.sendCq.device !== this.device || !this.recvCq || this.recvCq.device !== this.device) {
+      throw new RdmaError("INVALID_ARGUMENT", "send and receive CQs must belong to the QP's device");
+    }
+    this.caps = {
+      maxSendWr: checkInt("maxSendWr", init.maxSendWr, 1, a.maxQpWr),
+      maxRecvWr: checkInt("maxRecvWr", init.maxRecvWr, 1, a.maxQpWr),
+      maxSendSge: checkInt("maxSendSge", init.maxSendSge ?? 1, 1, a.maxSge),
+      maxRecvSge: checkInt("maxRecvSge", init.maxRecvSge ?? 1, 1, a.maxSge),
+      maxInlineData: checkInt("maxInlineData", init.maxInlineData ?? 0, 0, a.maxInline),
+    };
+    this.sqSigAll = init.sqSigAll === true;
+    checkInt("portNum", init.portNum ?? 1, 1, 1);
+    this.qpAccess = checkInt("access", init.access ?? (Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC), 0, 31);
+    this.qpNum = this.device.allocQpn();
+    this.device.qps.set(this.qpNum, this);
+    this.sendCq.qps.add(this);
+    this.recvCq.qps.add(this);
+    this.state = QpState.INIT;
+  }
+
+  localEndpoint(): Endpoint {
+    return {
+      provider: "tcp",
+      qpNum: this.qpNum,
+      psn: this.initialPsn,
+      lid: 0,
+      gid: this.device.host,
+      port: this.device.port,
+      mtu: 4096,
+    };
+  }
+
+  connect(remote: Endpoint, attr: QpConnectAttr = {}): void {
+    if (this.state !== QpState.INIT) throw new RdmaError("INVALID_STATE", `QP ${this.qpNum} must be in INIT to connect (state ${this.state})`);
+    if (!remote || remote.provider !== "tcp") throw new RdmaError("INVALID_ARGUMENT", `peer endpoint is not a tcp endpoint (got ${String(remote?.provider)})`);
+    checkInt("remote.qpNum", remote.qpNum, 0, PSN_MASK);
+    checkInt("remote.psn", remote.psn, 0, PSN_MASK);
+    checkInt("remote.port", remote.port, 1, 65535);
+    if (typeof remote.gid !== "string" || remote.gid.length === 0) throw new RdmaError("INVALID_ARGUMENT", "peer endpoint has no address");
+    if (attr.mtu !== undefined && ![256, 512, 1024, 2048, 4096].includes(attr.mtu)) throw new RdmaError("INVALID_ARGUMENT", `mtu must be 256..4096 (a power of two), got ${attr.mtu}`);
+    this.timeoutMs = ackTimeoutMs(checkInt("timeout", attr.timeout ?? 14, 0, 31));
+    this.retryCnt = checkInt("retryCnt", attr.retryCnt ?? 7, 0, 7);
+    this.rnrRetry = checkInt("rnrRetry", attr.rnrRetry ?? 7, 0, 7);
+    this.minRnrTimer = checkInt("minRnrTimer", attr.minRnrTimer ?? 12, 0, 31);
+    this.maxRdAtomic = checkInt("maxRdAtomic", attr.maxRdAtomic ?? 16, 1, this.device.attr.maxQpInitRdAtom);
+    checkInt("maxDestRdAtomic", attr.maxDestRdAtomic ?? 16, 0, this.device.attr.maxQpRdAtom);
+    this.remote = { ...remote };
+    this.ePsn = remote.psn;
+    this.state = QpState.RTS;
+
+    const sock = net.connect({ host: remote.gid, port: remote.port, noDelay: true });
+    this.reqSock = sock;
+    const reader = new FrameReader(
+      (h) => this.onResponseHeader(h),
+      (h) => this.onResponseDone(h),
+      (reason) => this.protocolError("requester", reason),
+    );
+    this.reqReader = reader;
+    sock.on("data", (chunk: Buffer) => reader.feed(chunk));
+    sock.on("drain", () => {
+      this.drainWait = false;
+      this.pump();
+    });
+    sock.on("error", (e) => this.connectionLost(`connection to peer ${remote.gid}:${remote.port} failed: ${e.message}`));
+    sock.on("close", () => this.connectionLost("peer closed the connection"));
+    sock.write(encodeHeader(FrameType.HELLO, 0, this.initialPsn, 0, 0, 0, 0, remote.qpNum, BigInt(this.qpNum), 0n));
+    if (this.parked) {
+      const p = this.parked;
+      this.parked = null;
+      this.incoming(p.sock, p.srcQp, p.psn, p.rest);
+    }
+    this.lastProgress = performance.now();
+    this.pump();
+  }
+
+  /** An incoming stream for this QP (the peer's requests). Parked, paused, until connect() when it arrives early. */
+  incoming(sock: net.Socket, srcQp: number, psn: number, rest: Buffer | null): void {
+    if (this.state === QpState.INIT) {
+      this.parked?.sock.destroy();
+      sock.pause();
+      this.parked = { sock, srcQp, psn, rest };
+      return;
+    }
+    if (this.state !== QpState.RTS || !this.remote || srcQp !== this.remote.qpNum || psn !== this.remote.psn || this.respSock) {
+      sock.destroy();
+      return;
+    }
+    this.respSock = sock;
+    const reader = new FrameReader(
+      (h) => this.onRequestHeader(h),
+      (h) => this.onRequestDone(h),
+      (reason) => this.protocolError("responder", reason),
+    );
+    this.respReader = reader;
+    const feed = (chunk: Buffer): void => {
+      reader.feed(chunk);
+      this.flushAck();
+    };
+    sock.on("data", feed);
+    sock.on("error", () => {});
+    sock.on("close", () => this.connectionLost("peer closed the connection"));
+    if (rest) feed(rest);
+    sock.resume();
+  }
+
+  // ---------------------------------------------------------------- posting
+
+  postSend(wrs: readonly SendWr[]): void {
+    if (!Array.isArray(wrs)) throw new RdmaError("INVALID_ARGUMENT", "postSend takes an array of work requests");
+    if (this.state === QpState.RESET || this.state === QpState.INIT || this.state === QpState.RTR) {
+      throw new RdmaError("INVALID_STATE", `postSend needs the QP in RTS (state ${this.state}); connect() first`, { errno: "EINVAL" });
+    }
+    try {
+      for (let i = 0; i < wrs.length; i++) {
+        const e = this.makeEntry(wrs[i]!, i);
+        if (this.sq.length - this.sqHead >= this.caps.maxSendWr) {
+          throw new RdmaError("RESOURCE_EXHAUSTED", `work request #${i}: send queue full (${this.caps.maxSendWr} outstanding)`, { errno: "ENOMEM" });
+        }
+        this.sq.push(e);
+        if (this.state === QpState.ERR) {
+          e.state = ENTRY_DONE;
+          e.status = WcStatus.WR_FLUSH_ERR;
+        }
+      }
+    } finally {
+      // WRs before a bad one stay posted, as with verbs' bad_wr.
+      if (this.state === QpState.ERR) this.completeInOrder();
+      else this.pump();
+    }
+  }
+
+  postRecv(wrs: readonly RecvWr[]): void {
+    if (!Array.isArray(wrs)) throw new RdmaError("INVALID_ARGUMENT", "postRecv takes an array of work requests");
+    if (this.state === QpState.RESET) throw new RdmaError("INVALID_STATE", "postRecv needs the QP in INIT or later", { errno: "EINVAL" });
+    for (let i = 0; i < wrs.length; i++) {
+      const wr = wrs[i]!;
+      if (!wr || typeof wr.wrId !== "number") throw new RdmaError("INVALID_ARGUMENT", `receive work request #${i}: wrId must be a number`);
+      const sges = this.copySges(wr.sgList, this.caps.maxRecvSge, i);
+      if (this.rq.length - this.rqHead >= this.caps.maxRecvWr) {
+        throw new RdmaError("RESOURCE_EXHAUSTED", `receive work request #${i}: receive queue full (${this.caps.maxRecvWr})`, { errno: "ENOMEM" });
+      }
+      if (this.state === QpState.ERR) {
+        this.recvCq.push(wr.wrId, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, 0, 0, this.qpNum);
+        continue;
+      }
+      this.rq.push({ wrId: wr.wrId, sges });
+    }
+  }
+
+  private copySges(list: readonly Sge[] | undefined, max: number, i: number): Sge[] {
+    if (list === undefined) return [];
+    if (!Array.isArray(list) || list.length > max) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: sgList must be an array of at most ${max} entries`);
+    const out: Sge[] = [];
+    for (const s of list) {
+      if (!s || !Number.isInteger(s.addr) || !Number.isInteger(s.length) || s.length < 0 || !Number.isInteger(s.lkey)) {
+        throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: bad scatter/gather element`);
+      }
+      out.push({ addr: s.addr, length: s.length, lkey: s.lkey >>> 0 });
+    }
+    return out;
+  }
+
+  private makeEntry(wr: SendWr, i: number): SqEntry {
+    if (!wr || typeof wr.wrId !== "number") throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: wrId must be a number`);
+    const op = wr.opcode;
+    if (WC_OF_WR[op] === undefined) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: unknown opcode ${String(op)}`);
+    const flags = wr.flags ?? 0;
+    const sges = this.copySges(wr.sgList, this.caps.maxSendSge, i);
+    let len = 0;
+    for (const s of sges) len += s.length;
+    if (len > MAX_MESSAGE) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: message of ${len} bytes exceeds 2^31`);
+    const e: SqEntry = {
+      wrId: wr.wrId,
+      opcode: op,
+      signaled: this.sqSigAll || (flags & SendFlags.SIGNALED) !== 0,
+      fence: (flags & SendFlags.FENCE) !== 0,
+      sges,
+      len,
+      inline: null,
+      imm: (wr.imm ?? 0) >>> 0,
+      hasImm: op === WrOpcode.SEND_WITH_IMM || op === WrOpcode.RDMA_WRITE_WITH_IMM,
+      solicited: (flags & SendFlags.SOLICITED) !== 0,
+      remoteAddr: wr.remoteAddr ?? 0,
+      rkey: (wr.rkey ?? 0) >>> 0,
+      compareAdd: wr.compareAdd ?? 0n,
+      swap: wr.swap ?? 0n,
+      mw: null,
+      bindRkey: 0,
+      bindMr: null,
+      bindAddr: 0,
+      bindLen: 0,
+      bindAccess: 0,
+      invalidateRkey: (wr.invalidateRkey ?? 0) >>> 0,
+      psn: -1,
+      state: ENTRY_QUEUED,
+      status: WcStatus.SUCCESS,
+      rnrTries: 0,
+      targets: null,
+    };
+    switch (op) {
+      case WrOpcode.RDMA_WRITE:
+      case WrOpcode.RDMA_WRITE_WITH_IMM:
+      case WrOpcode.RDMA_READ:
+        if (!Number.isSafeInteger(e.remoteAddr) || e.remoteAddr < 0) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: remoteAddr must be a non-negative integer`);
+        break;
+      case WrOpcode.ATOMIC_CMP_AND_SWP:
+      case WrOpcode.ATOMIC_FETCH_AND_ADD:
+        if (sges.length !== 1 || len !== 8) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: an atomic needs one 8-byte scatter/gather element`);
+        if (typeof e.compareAdd !== "bigint" || typeof e.swap !== "bigint") throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: atomic operands must be bigint`);
+        if (!Number.isSafeInteger(e.remoteAddr) || e.remoteAddr < 0) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: remoteAddr must be a non-negative integer`);
+        break;
+      case WrOpcode.BIND_MW: {
+        const b = wr.bind;
+        if (!wr.mw || !b || typeof wr.bindRkey !== "number") throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: BIND_MW needs mw, bindRkey and bind`);
+        e.mw = wr.mw as TcpMw;
+        e.bindRkey = wr.bindRkey >>> 0;
+        e.bindMr = b.mr as TcpMr;
+        e.bindAddr = b.addr;
+        e.bindLen = b.length;
+        e.bindAccess = b.access;
+        break;
+      }
+      default:
+        break;
+    }
+    if (flags & SendFlags.INLINE && (op === WrOpcode.SEND || op === WrOpcode.SEND_WITH_IMM || op === WrOpcode.RDMA_WRITE || op === WrOpcode.RDMA_WRITE_WITH_IMM)) {
+      if (len > this.caps.maxInlineData) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: ${len} inline bytes exceed maxInlineData ${this.caps.maxInlineData}`, { errno: "EINVAL" });
+      // Inline data is copied now: the caller may reuse its buffer as soon as postSend returns.
+      const data = new Uint8Array(len);
+      let o = 0;
+      for (const s of sges) {
+        const v = this.localView(s, false);
+        if (v === null) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: inline scatter/gather element is not inside a registered MR`);
+        data.set(v, o);
+        o += s.length;
+      }
+      e.inline = data;
+    }
+    return e;
+  }
+
+  /** The bytes an SGE names, or null for a local protection error. */
+  private localView(s: Sge, needWrite: boolean): Uint8Array | null {
+    if (s.length === 0) return new Uint8Array(0);
+    const t = this.device.keys.get(s.lkey);
+    if (!t || !("lkey" in t) || t.lkey !== s.lkey || t.pd !== this.pd || t.deregistered) return null;
+    if (needWrite && !(t.access & Access.LOCAL_WRITE)) return null;
+    const off = s.addr - t.addr;
+    if (off < 0 || off + s.length > t.length) return null;
+    return t.view.subarray(off, off + s.length);
+  }
+
+  // -------------------------------------------------------------- requester
+
+  private pump(): void {
+    const sock = this.reqSock;
+    if (this.state !== QpState.RTS || sock === null || this.drainWait || this.rnrWait !== null || this.pendingLocalError) return;
+    let wrote = false;
+    while (this.txIdx < this.sq.length) {
+      const e = this.sq[this.txIdx]!;
+      if (e.state === ENTRY_DONE) {
+        this.txIdx++;
+        continue;
+      }
+      const isRd = e.opcode === WrOpcode.RDMA_READ || e.opcode === WrOpcode.ATOMIC_CMP_AND_SWP || e.opcode === WrOpcode.ATOMIC_FETCH_AND_ADD;
+      // Fence: wait for earlier READs and atomics to finish (their data may feed this WR).
+      if (e.fence && this.outstandingRd > 0) break;
+      if (isRd && this.outstandingRd >= this.maxRdAtomic) break;
+      if (e.opcode === WrOpcode.BIND_MW || e.opcode === WrOpcode.LOCAL_INV) {
+        this.executeLocal(e);
+        this.txIdx++;
+        if (e.status !== WcStatus.SUCCESS) {
+          this.pendingLocalError = e;
+          break;
+        }
+        continue;
+      }
+      if (e.psn < 0) {
+        e.psn = this.nextPsn;
+        this.nextPsn = (this.nextPsn + 1) & PSN_MASK;
+      }
+      if (!this.transmit(sock, e, isRd)) {
+        e.state = ENTRY_DONE;
+        e.status = WcStatus.LOC_PROT_ERR;
+        this.txIdx++;
+        this.pendingLocalError = e;
+        break;
+      }
+      wrote = true;
+      e.state = ENTRY_SENT;
+      this.txIdx++;
+      if (isRd) this.outstandingRd++;
+      if (sock.writableNeedDrain) {
+        this.drainWait = true;
+        break;
+      }
+    }
+    if (wrote) this.armAckTimer();
+    this.completeInOrder();
+  }
+
+  private transmit(sock: net.Socket, e: SqEntry, isRd: boolean): boolean {
+    const flags = (e.hasImm ? FrameFlags.IMM : 0) | (e.solicited ? FrameFlags.SOLICITED : 0);
+    if (isRd) {
+      const targets: Uint8Array[] = [];
+      for (const s of e.sges) {
+        const v = this.localView(s, true);
+        if (v === null) return false;
+        targets.push(v);
+      }
+      e.targets = targets;
+      if (e.opcode === WrOpcode.RDMA_READ) {
+        sock.write(encodeHeader(FrameType.READ_REQ, 0, e.psn, 0, e.rkey, e.remoteAddr, 0, e.len, 0n, 0n));
+      } else {
+        const op = e.opcode === WrOpcode.ATOMIC_CMP_AND_SWP ? 0 : 1;
+        sock.write(encodeHeader(FrameType.ATOMIC, 0, e.psn, 0, e.rkey, e.remoteAddr, 0, op, e.compareAdd, e.swap));
+      }
+      return true;
+    }
+    const type = e.opcode === WrOpcode.SEND || e.opcode === WrOpcode.SEND_WITH_IMM ? FrameType.SEND : FrameType.WRITE;
+    let views: Uint8Array[] | null = null;
+    if (e.inline === null) {
+      views = [];
+      for (const s of e.sges) {
+        const v = this.localView(s, false);
+        if (v === null) return false;
+        if (v.length > 0) views.push(v);
+      }
+    }
+    // Header and payload go out as one writev (cork), the payload straight from the registered memory.
+    sock.cork();
+    sock.write(encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0n, 0n));
+    if (e.inline !== null) {
+      if (e.inline.length > 0) sock.write(e.inline);
+    } else for (const v of views!) sock.write(v);
+    sock.uncork();
+    return true;
+  }
+
+  private executeLocal(e: SqEntry): void {
+    e.state = ENTRY_DONE;
+    if (e.opcode === WrOpcode.BIND_MW) {
+      const mw = e.mw!;
+      const mr = e.bindMr!;
+      if (
+        mw.deallocated ||
+        mw.pd !== this.pd ||
+        mw.type !== 2 ||
+        !mr ||
+        mr.deregistered ||
+        mr.pd !== this.pd ||
+        !(mr.access & Access.MW_BIND) ||
+        e.bindRkey >>> 8 !== mw.nextRkey() >>> 8 ||
+        e.bindAddr < mr.addr ||
+        e.bindAddr + e.bindLen > mr.addr + mr.length ||
+        (e.bindAccess & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) && !(mr.access & Access.LOCAL_WRITE))
+      ) {
+        e.status = WcStatus.MW_BIND_ERR;
+        return;
+      }
+      if (mw.qp) mw.qp.boundWindows.delete(mw);
+      mw.bind(this, e.bindRkey, mr, e.bindAddr, e.bindLen, e.bindAccess);
+      this.boundWindows.add(mw);
+      return;
+    }
+    // LOCAL_INV of a type-2 window's rkey
+    const t = this.device.keys.get(e.invalidateRkey);
+    if (!t || "lkey" in t || t.pd !== this.pd || t.type !== 2) {
+      e.status = WcStatus.LOC_PROT_ERR;
+      return;
+    }
+    this.boundWindows.delete(t);
+    t.unbind();
+  }
+
+  private completeInOrder(): void {
+    while (this.sqHead < this.sq.length) {
+      const e = this.sq[this.sqHead]!;
+      if (e.state !== ENTRY_DONE) break;
+      this.sqHead++;
+      if (e.signaled || e.status !== WcStatus.SUCCESS) {
+        const byteLen = e.opcode === WrOpcode.ATOMIC_CMP_AND_SWP || e.opcode === WrOpcode.ATOMIC_FETCH_AND_ADD ? 8 : e.opcode === WrOpcode.RDMA_READ ? e.len : 0;
+        this.sendCq.push(e.wrId, e.status, WC_OF_WR[e.opcode]!, 0, byteLen, 0, this.qpNum);
+      }
+      if (e.status !== WcStatus.SUCCESS && e.status !== WcStatus.WR_FLUSH_ERR) {
+        if (this.pendingLocalError === e) this.pendingLocalError = null;
+        this.enterError(`work request ${e.wrId} failed with status ${e.status}`, false);
+      }
+    }
+    if (this.ackIdx < this.sqHead) this.ackIdx = this.sqHead;
+    if (this.sqHead > 1024 && this.sqHead * 2 > this.sq.length) {
+      this.sq = this.sq.slice(this.sqHead);
+      this.txIdx -= this.sqHead;
+      this.ackIdx -= this.sqHead;
+      this.sqHead = 0;
+    }
+  }
+
+  /** The oldest transmitted, unfinished entry. */
+  private firstSent(): SqEntry | null {
+    while (this.ackIdx < this.txIdx) {
+      const e = this.sq[this.ackIdx]!;
+      if (e.state === ENTRY_SENT) return e;
+      this.ackIdx++;
+    }
+    return null;
+  }
+
+  /** Everything sent before `psn` that needs no response is acknowledged (a NAK or response implies it). */
+  private ackBefore(psn: number, inclusive: boolean): void {
+    for (let i = this.ackIdx; i < this.txIdx; i++) {
+      const e = this.sq[i]!;
+      if (e.state !== ENTRY_SENT) continue;
+      const before = psnBefore(e.psn, psn) || (inclusive && e.psn === psn);
+      if (!before) break;
+      if (e.opcode === WrOpcode.RDMA_READ || e.opcode === WrOpcode.ATOMIC_CMP_AND_SWP || e.opcode === WrOpcode.ATOMIC_FETCH_AND_ADD) {
+        // A response that never came, yet later requests were acknowledged: the responder broke the protocol.
+        this.protocolError("requester", `acknowledgement for PSN ${psn} skips the response to PSN ${e.psn}`);
+        return;
+      }
+      e.state = ENTRY_DONE;
+    }
+  }
+
+  private onResponseHeader(h: FrameHeader): void {
+    if (this.state !== QpState.RTS) {
+      this.reqReader?.place(null);
+      return;
+    }
+    this.lastProgress = performance.now();
+    switch (h.type) {
+      case FrameType.ACK: {
+        if (h.aux === Syndrome.ACK) {
+          this.ackBefore(h.psn, true);
+          this.completeInOrder();
+          this.pump();
+          return;
+        }
+        this.ackBefore(h.psn, false);
+        if (this.state !== QpState.RTS) return;
+        const e = this.firstSent();
+        if (!e || e.psn !== h.psn) return this.protocolError("requester", `NAK for PSN ${h.psn} that is not outstanding`);
+        if (h.aux === Syndrome.RNR_NAK) return this.onRnrNak(e, Number(h.op2));
+        e.state = ENTRY_DONE;
+        e.status = h.aux === Syndrome.NAK_REM_ACCESS ? WcStatus.REM_ACCESS_ERR : h.aux === Syndrome.NAK_INV_REQ ? WcStatus.REM_INV_REQ_ERR : WcStatus.REM_OP_ERR;
+        this.completeInOrder();
+        return;
+      }
+      case FrameType.READ_RESP:
+      case FrameType.ATOMIC_RESP: {
+        this.ackBefore(h.psn, false);
+        if (this.state !== QpState.RTS) return;
+        const e = this.firstSent();
+        const want = h.type === FrameType.READ_RESP ? WrOpcode.RDMA_READ : -1;
+        if (!e || e.psn !== h.psn || (want >= 0 ? e.opcode !== want : e.opcode !== WrOpcode.ATOMIC_CMP_AND_SWP && e.opcode !== WrOpcode.ATOMIC_FETCH_AND_ADD)) {
+          return this.protocolError("requester", `response for PSN ${h.psn} matches no outstanding request`);
+        }
+        if (h.type === FrameType.READ_RESP) {
+          if (h.payloadLen !== e.len) return this.protocolError("requester", `read response of ${h.payloadLen} bytes for a ${e.len}-byte read`);
+          this.reqReader!.place(e.targets);
+        }
+        this.respTargetEntry = e;
+        return;
+      }
+      default:
+        return this.protocolError("requester", `unexpected frame type ${h.type} on the requester stream`);
+    }
+  }
+
+  private onResponseDone(h: FrameHeader): void {
+    const e = this.respTargetEntry;
+    if (e === null || this.state !== QpState.RTS) return;
+    this.respTargetEntry = null;
+    if (h.type === FrameType.ATOMIC_RESP) {
+      const t = e.targets![0]!;
+      // The original value lands in host byte order (little-endian), as an HCA writes it.
+      new DataView(t.buffer, t.byteOffset, 8).setBigUint64(0, h.op1, true);
+    }
+    e.state = ENTRY_DONE;
+    e.targets = null;
+    this.outstandingRd--;
+    this.completeInOrder();
+    this.pump();
+  }
+
+  private onRnrNak(e: SqEntry, timerCode: number): void {
+    e.rnrTries++;
+    if (this.rnrRetry !== 7 && e.rnrTries > this.rnrRetry) {
+      e.state = ENTRY_DONE;
+      e.status = WcStatus.RNR_RETRY_EXC_ERR;
+      this.completeInOrder();
+      return;
+    }
+    // Go back N: the responder discards everything after the NAKed PSN; resend from it after the RNR timer.
+    const idx = this.sq.indexOf(e, this.ackIdx);
+    for (let i = idx; i < this.txIdx; i++) {
+      const x = this.sq[i]!;
+      if (x.state === ENTRY_SENT) x.state = ENTRY_QUEUED;
+    }
+    this.txIdx = idx;
+    this.outstandingRd = 0;
+    const ms = rnrTimerMs(timerCode);
+    this.rnrWait = setTimeout(() => {
+      this.rnrWait = null;
+      this.lastProgress = performance.now();
+      this.pump();
+    }, ms);
+  }
+
+  private armAckTimer(): void {
+    if (this.ackTimer !== null || this.timeoutMs === Infinity) return;
+    const limit = this.timeoutMs * (this.retryCnt + 1);
+    const check = (): void => {
+      this.ackTimer = null;
+      if (this.state !== QpState.RTS) return;
+      const e = this.firstSent();
+      if (e === null) return;
+      if (this.rnrWait === null && performance.now() - this.lastProgress >= limit) {
+        e.state = ENTRY_DONE;
+        e.status = WcStatus.RETRY_EXC_ERR;
+        this.completeInOrder();
+        this.emit("QP_FATAL", `no response from the peer within ${limit.toFixed(0)} ms (timeout ${this.timeoutMs.toFixed(1)} ms × ${this.retryCnt + 1} tries)`);
+        return;
+      }
+      this.ackTimer = setTimeout(check, Math.max(1, this.timeoutMs));
+      this.ackTimer.unref();
+    };
+    this.ackTimer = setTimeout(check, Math.max(1, this.timeoutMs));
+    this.ackTimer.unref();
+  }
+
+  // -------------------------------------------------------------- responder
+
+  private respond(type: FrameType, psn: number, aux: number, op1: bigint, op2: bigint, payload: Uint8Array | null): void {
+    const s = this.respSock;
+    if (!s || s.destroyed) return;
+    if (payload && payload.length > 0) {
+      s.cork();
+      s.write(encodeHeader(type, 0, psn, payload.length, 0, 0, 0, aux, op1, op2));
+      s.write(payload);
+      s.uncork();
+    } else {
+      s.write(encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2));
+    }
+  }
+
+  private flushAck(): void {
+    if (this.ackPending >= 0) {
+      const p = this.ackPending;
+      this.ackPending = -1;
+      this.respond(FrameType.ACK, p, Syndrome.ACK, 0n, 0n, null);
+    }
+  }
+
+  /** NAK and move the responder to ERR (class C/D errors in IBA terms). */
+  private nak(psn: number, syndrome: number, reason: string): void {
+    this.flushAck();
+    this.respond(FrameType.ACK, psn, syndrome, 0n, 0n, null);
+    this.respReader?.place(null);
+    this.respDiscard = true;
+    this.enterError(reason, true);
+  }
+
+  /** Resolve a remote access: the bytes, or null after sending the NAK. */
+  private remoteView(h: FrameHeader, len: number, need: number): Uint8Array | null {
+    if (len === 0) return new Uint8Array(0);
+    const t = this.device.keys.get(h.rkey);
+    let view: Uint8Array | null = null;
+    if (t && t.pd === this.pd) {
+      if ("lkey" in t) {
+        const off = h.raddr - t.addr;
+        if (!t.deregistered && t.access & need && off >= 0 && off + len <= t.length) view = t.view.subarray(off, off + len);
+      } else if (t.mr && (t.type === 1 || t.qp === this) && t.access & need && h.raddr >= t.addr && h.raddr + len <= t.addr + t.length) {
+        const off = h.raddr - t.mr.addr;
+        view = t.mr.view.subarray(off, off + len);
+      }
+    }
+    if (view === null) this.nak(h.psn, Syndrome.NAK_REM_ACCESS, `remote access denied: rkey 0x${h.rkey.toString(16)} [0x${h.raddr.toString(16)}, +${len})`);
+    return view;
+  }
+
+  private takeRecv(h: FrameHeader, len: number): RqEntry | null | "rnr" {
+    if (this.rqHead >= this.rq.length) {
+      // Receiver not ready: NAK with our RNR timer; the requester resends from this PSN.
+      this.flushAck();
+      this.respond(FrameType.ACK, h.psn, Syndrome.RNR_NAK, 0n, BigInt(this.minRnrTimer), null);
+      this.rnrNakPsn = h.psn;
+      this.respReader?.place(null);
+      return "rnr";
+    }
+    const r = this.rq[this.rqHead++]!;
+    if (this.rqHead > 1024 && this.rqHead * 2 > this.rq.length) {
+      this.rq = this.rq.slice(this.rqHead);
+      this.rqHead = 0;
+    }
+    let cap = 0;
+    for (const s of r.sges) cap += s.length;
+    if (len > cap) {
+      this.recvCq.push(r.wrId, WcStatus.LOC_LEN_ERR, WcOpcode.RECV, 0, 0, 0, this.qpNum);
+      this.nak(h.psn, Syndrome.NAK_INV_REQ, `a ${len}-byte message does not fit the ${cap}-byte receive buffer`);
+      return null;
+    }
+    return r;
+  }
+
+  private onRequestHeader(h: FrameHeader): void {
+    const reader = this.respReader!;
+    if (this.state !== QpState.RTS) {
+      reader.place(null);
+      this.respDiscard = true;
+      return;
+    }
+    if (this.rnrNakPsn >= 0) {
+      if (h.psn !== this.rnrNakPsn) {
+        reader.place(null);
+        this.respDiscard = true;
+        return;
+      }
+      this.rnrNakPsn = -1;
+    }
+    if (h.psn !== this.ePsn) return this.protocolError("responder", `PSN ${h.psn} out of sequence (expected ${this.ePsn})`);
+    this.respDiscard = false;
+    this.curRecv = null;
+    this.curWriteImm = false;
+    switch (h.type) {
+      case FrameType.SEND: {
+        const r = this.takeRecv(h, h.payloadLen);
+        if (r === "rnr") {
+          this.respDiscard = true;
+          return;
+        }
+        if (r === null) return;
+        const targets: Uint8Array[] = [];
+        let left = h.payloadLen;
+        for (const s of r.sges) {
+          if (left === 0) break;
+          const v = this.localView(s, true);
+          if (v === null) {
+            this.recvCq.push(r.wrId, WcStatus.LOC_PROT_ERR, WcOpcode.RECV, 0, 0, 0, this.qpNum);
+            return this.nak(h.psn, Syndrome.NAK_REM_OP, "receive buffer is not inside a registered MR with LOCAL_WRITE");
+          }
+          const take = Math.min(left, v.length);
+          targets.push(take === v.length ? v : v.subarray(0, take));
+          left -= take;
+        }
+        this.curRecv = r;
+        reader.place(targets);
+        return;
+      }
+      case FrameType.WRITE: {
+        if (!(this.qpAccess & Access.REMOTE_WRITE)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote write");
+        const v = this.remoteView(h, h.payloadLen, Access.REMOTE_WRITE);
+        if (v === null) return;
+        if (h.flags & FrameFlags.IMM) {
+          const r = this.takeRecv(h, 0);
+          if (r === "rnr") {
+            this.respDiscard = true;
+            return;
+          }
+          if (r === null) return;
+          this.curRecv = r;
+          this.curWriteImm = true;
+        }
+        reader.place([v]);
+        return;
+      }
+      case FrameType.READ_REQ: {
+        if (!(this.qpAccess & Access.REMOTE_READ)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote read");
+        const v = this.remoteView(h, h.aux, Access.REMOTE_READ);
+        if (v === null) return;
+        this.ackPending = -1;
+        this.respond(FrameType.READ_RESP, h.psn, 0, 0n, 0n, v);
+        return;
+      }
+      case FrameType.ATOMIC: {
+        if (!(this.qpAccess & Access.REMOTE_ATOMIC)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote atomics");
+        // IBA: atomics need an 8-byte aligned target; rxe answers a misaligned one with NAK invalid request.
+        if (h.raddr % 8 !== 0) return this.nak(h.psn, Syndrome.NAK_INV_REQ, `atomic target 0x${h.raddr.toString(16)} is not 8-byte aligned`);
+        const v = this.remoteView(h, 8, Access.REMOTE_ATOMIC);
+        if (v === null) return;
+        const dv = new DataView(v.buffer, v.byteOffset, 8);
+        const orig = dv.getBigUint64(0, true);
+        if (h.aux === 0) {
+          if (orig === h.op1) dv.setBigUint64(0, h.op2, true);
+        } else dv.setBigUint64(0, BigInt.asUintN(64, orig + h.op1), true);
+        this.ackPending = -1;
+        this.respond(FrameType.ATOMIC_RESP, h.psn, 0, orig, 0n, null);
+        return;
+      }
+      default:
+        return this.protocolError("responder", `unexpected frame type ${h.type} on the responder stream`);
+    }
+  }
+
+  private onRequestDone(h: FrameHeader): void {
+    if (this.respDiscard || this.state !== QpState.RTS) return;
+    this.ePsn = (this.ePsn + 1) & PSN_MASK;
+    const r = this.curRecv;
+    if (r !== null) {
+      this.curRecv = null;
+      const imm = h.flags & FrameFlags.IMM ? h.imm : 0;
+      const flags = h.flags & FrameFlags.IMM ? WcFlags.WITH_IMM : 0;
+      const op = this.curWriteImm ? WcOpcode.RECV_RDMA_WITH_IMM : WcOpcode.RECV;
+      this.recvCq.push(r.wrId, WcStatus.SUCCESS, op, flags, h.payloadLen, imm, this.qpNum);
+    }
+    if (h.type === FrameType.SEND || h.type === FrameType.WRITE) this.ackPending = h.psn;
+  }
+
+  // ----------------------------------------------------------------- errors
+
+  private emit(type: AsyncEventType, reason: string): void {
+    const h = this.onEvent;
+    if (h) queueMicrotask(() => h({ type, reason, qpNum: this.qpNum }));
+  }
+
+  /** A malformed or hostile frame: ERR with a reason; never touches memory it should not. */
+  private protocolError(side: "requester" | "responder", reason: string): void {
+    if (this.state === QpState.ERR) return;
+    if (side === "requester") {
+      const e = this.firstSent();
+      if (e) {
+        e.state = ENTRY_DONE;
+        e.status = WcStatus.BAD_RESP_ERR;
+      }
+    }
+    this.enterError(`malformed frame from peer on the ${side} stream: ${reason}`, true, "QP_FATAL");
+    this.completeInOrder();
+  }
+
+  private connectionLost(reason: string): void {
+    if (this.state === QpState.ERR || this.state === QpState.RESET) return;
+    const e = this.firstSent();
+    if (e) {
+      e.state = ENTRY_DONE;
+      e.status = WcStatus.RETRY_EXC_ERR;
+      this.completeInOrder();
+    }
+    this.enterError(reason, true, "QP_FATAL");
+  }
+
+  fatal(type: AsyncEventType, reason: string): void {
+    this.enterError(reason, true, type);
+  }
+
+  setError(): void {
+    this.enterError("moved to ERR by the application", false);
+  }
+
+  private enterError(reason: string, notify: boolean, type: AsyncEventType = "QP_FATAL"): void {
+    if (this.state === QpState.ERR) return;
+    this.state = QpState.ERR;
+    if (this.rnrWait) clearTimeout(this.rnrWait);
+    this.rnrWait = null;
+    if (this.ackTimer) clearTimeout(this.ackTimer);
+    this.ackTimer = null;
+    // Flush: every unfinished WR completes with WR_FLUSH_ERR, in order.
+    for (let i = this.sqHead; i < this.sq.length; i++) {
+      const e = this.sq[i]!;
+      if (e.state !== ENTRY_DONE) {
+        e.state = ENTRY_DONE;
+        e.status = WcStatus.WR_FLUSH_ERR;
+      }
+    }
+    this.pendingLocalError = null;
+    this.completeInOrder();
+    for (let i = this.rqHead; i < this.rq.length; i++) this.recvCq.push(this.rq[i]!.wrId, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, 0, 0, this.qpNum);
+    this.rq = [];
+    this.rqHead = 0;
+    // The peer learns at once (its streams close) instead of after its ACK timeout.
+    this.reqSock?.end();
+    this.respSock?.end();
+    this.parked?.sock.destroy();
+    this.parked = null;
+    if (notify) this.emit(type, reason);
+  }
+
+  destroy(): void {
+    if (!this.device.qps.has(this.qpNum) || this.device.qps.get(this.qpNum) !== this) return;
+    this.state = QpState.ERR;
+    if (this.rnrWait) clearTimeout(this.rnrWait);
+    if (this.ackTimer) clearTimeout(this.ackTimer);
+    this.rnrWait = this.ackTimer = null;
+    for (const mw of this.boundWindows) mw.unbind();
+    this.boundWindows.clear();
+    this.reqSock?.destroy();
+    this.respSock?.destroy();
+    this.parked?.sock.destroy();
+    this.reqSock = this.respSock = null;
+    this.parked = null;
+    this.sq = [];
+    this.rq = [];
+    this.device.qps.delete(this.qpNum);
+    this.sendCq.qps.delete(this);
+    this.recvCq.qps.delete(this);
+    this.pd.released("qp");
+  }
+}
