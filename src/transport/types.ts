@@ -356,6 +356,15 @@ export interface MemoryRegion {
   readonly deregistered: boolean;
   /** ibv_dereg_mr; any later remote access with `rkey` fails with REM_ACCESS_ERR. */
   deregister(): void;
+  /**
+   * Optional (native memory only): a new ArrayBuffer aliasing bytes
+   * [offset, offset+length) of `buffer`, detachable on its own. The memory
+   * layer hands one to each allocation carved from a slab, so freeing an
+   * allocation detaches exactly its views. Providers whose memory is a plain
+   * JS ArrayBuffer cannot alias and leave this undefined; the memory layer
+   * then registers each allocation separately.
+   */
+  aliasBuffer?(offset: number, length: number): ArrayBuffer;
 }
 
 export interface MemoryWindow {

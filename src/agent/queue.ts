@@ -1,0 +1,114 @@
+import { RdmaError } from "../errors.js";
+
+/** Abortable wait helpers: every wait in the library goes through these. */
+
+export function abortError(signal: AbortSignal): RdmaError {
+  const r: unknown = signal.reason;
+  return new RdmaError("ABORTED", `operation aborted${r instanceof Error ? `: ${r.message}` : ""}`, { cause: r });
+}
+
+/**
+ * A FIFO of values with waiters; a failure rejects current and future waiters.
+ */
+export class AsyncQueue<T> {
+  private items: T[] = [];
+  private waiters: { resolve: (v: T) => void; reject: (e: unknown) => void; cleanup: () => void }[] = [];
+  private failure: RdmaError | null = null;
+
+  constructor(private readonly what: string) {}
+
+  get length(): number {
+    return this.items.length;
+  }
+
+  push(v: T): void {
+    const w = this.waiters.shift();
+    if (w) {
+      w.cleanup();
+      w.resolve(v);
+    } else this.items.push(v);
+  }
+
+  /** Next value; rejects with ABORTED on the signal, TIMEOUT after timeoutMs, or the queue's failure. */
+  take(opts: { signal?: AbortSignal | undefined; timeoutMs?: number | undefined } = {}): Promise<T> {
+    if (this.items.length > 0) return Promise.resolve(this.items.shift()!);
+    if (this.failure) return Promise.reject(this.failure);
+    const { signal, timeoutMs } = opts;
+    if (signal?.aborted) return Promise.reject(abortError(signal));
+    return new Promise<T>((resolve, reject) => {
+      let timer: NodeJS.Timeout | null = null;
+      const onAbort = (): void => {
+        remove();
+        reject(abortError(signal!));
+      };
+      const remove = (): void => {
+        const i = this.waiters.indexOf(w);
+        if (i >= 0) this.waiters.splice(i, 1);
+        w.cleanup();
+      };
+      const w = {
+        resolve,
+        reject,
+        cleanup: () => {
+          if (timer) clearTimeout(timer);
+          signal?.removeEventListener("abort", onAbort);
+        },
+      };
+      if (timeoutMs !== undefined) {
+        timer = setTimeout(() => {
+          remove();
+          reject(new RdmaError("TIMEOUT", `${this.what}: nothing arrived within ${timeoutMs} ms`));
+        }, timeoutMs);
+      }
+      signal?.addEventListener("abort", onAbort, { once: true });
+      this.waiters.push(w);
+    });
+  }
+
+  /** Rejects every waiter now and later (values already queued are still delivered). */
+  fail(e: RdmaError): void {
+    if (!this.failure) this.failure = e;
+    for (const w of this.waiters.splice(0)) {
+      w.cleanup();
+      w.reject(e);
+    }
+  }
+
+  drain(): T[] {
+    return this.items.splice(0);
+  }
+}
+
+/** Races a promise against an AbortSignal and an optional timeout. */
+export function withDeadline<T>(p: Promise<T>, what: string, signal?: AbortSignal, timeoutMs?: number): Promise<T> {
+  if (!signal && timeoutMs === undefined) return p;
+  return new Promise<T>((resolve, reject) => {
+    let timer: NodeJS.Timeout | null = null;
+    const done = (): void => {
+      if (timer) clearTimeout(timer);
+      signal?.removeEventListener("abort", onAbort);
+    };
+    const onAbort = (): void => {
+      done();
+      reject(abortError(signal!));
+    };
+    if (signal?.aborted) return onAbort();
+    signal?.addEventListener("abort", onAbort, { once: true });
+    if (timeoutMs !== undefined) {
+      timer = setTimeout(() => {
+        done();
+        reject(new RdmaError("TIMEOUT", `${what} did not finish within ${timeoutMs} ms`));
+      }, timeoutMs);
+    }
+    p.then(
+      (v) => {
+        done();
+        resolve(v);
+      },
+      (e: unknown) => {
+        done();
+        reject(e);
+      },
+    );
+  });
+}

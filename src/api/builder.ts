@@ -1,0 +1,233 @@
+/**
+ * RdmaBuilder: settings, validated against the device, then connect, listen or bind.
+ */
+import { RdmaError, checkInt } from "../errors.js";
+import { Access, type DeviceAttr } from "../transport/types.js";
+import type { ProviderChoice } from "../transport/providers.js";
+import type { PollingMode } from "../agent/connection.js";
+import { Context } from "./context.js";
+import { Rdma, dialWith, parseAddr } from "./rdma.js";
+import { RdmaListener } from "./listener.js";
+
+export interface ResolvedSettings {
+  provider: ProviderChoice;
+  device: string | undefined;
+  port: number;
+  gidIndex: number;
+  cqSize: number;
+  maxSendWr: number;
+  maxRecvWr: number;
+  maxInlineData: number;
+  mtu: number;
+  ackTimeout: number;
+  retryCount: number;
+  rnrRetry: number;
+  minRnrTimer: number;
+  maxRdAtomic: number;
+  qpAccess: number;
+  polling: PollingMode;
+  spinUs: number;
+  eagerMax: number;
+  recvDepth: number;
+  quotaBytes: number;
+  defaultLeaseMs: number;
+  maxLeaseMs: number;
+  connectTimeoutMs: number;
+  closeTimeoutMs: number;
+}
+
+const DEFAULTS: ResolvedSettings = {
+  provider: "auto",
+  device: undefined,
+  port: 1,
+  gidIndex: Number(process.env.RXE_GID_INDEX ?? 1),
+  cqSize: 0,
+  maxSendWr: 256,
+  maxRecvWr: 0,
+  maxInlineData: 64,
+  mtu: 4096,
+  ackTimeout: 14,
+  retryCount: 7,
+  rnrRetry: 7,
+  minRnrTimer: 12,
+  maxRdAtomic: 16,
+  qpAccess: Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC,
+  polling: "event",
+  spinUs: 20,
+  eagerMax: 4096,
+  recvDepth: 32,
+  quotaBytes: 64 * 1024 * 1024,
+  defaultLeaseMs: 60_000,
+  maxLeaseMs: 3_600_000,
+  connectTimeoutMs: 10_000,
+  closeTimeoutMs: 2_000,
+};
+
+function limit(name: string, v: number, max: number, what: string): void {
+  if (v > max) throw new RdmaError("INVALID_ARGUMENT", `${name} = ${v} exceeds the device's ${what} (${max})`);
+}
+
+/**
+ * @example
+ * const rdma = await new RdmaBuilder().setProvider("tcp").connect("127.0.0.1:5555");
+ */
+export class RdmaBuilder {
+  private s: ResolvedSettings = { ...DEFAULTS };
+
+  /** "verbs", "tcp" or "auto" (verbs when a device with an active port exists, else tcp). */
+  setProvider(p: ProviderChoice): this {
+    if (p !== "verbs" && p !== "tcp" && p !== "auto") throw new RdmaError("INVALID_ARGUMENT", `provider must be "verbs", "tcp" or "auto", got ${String(p)}`);
+    this.s.provider = p;
+    return this;
+  }
+  /** Device name (e.g. "rxe0"); default: the first device. */
+  setDevice(name: string): this {
+    if (typeof name !== "string" || !name) throw new RdmaError("INVALID_ARGUMENT", "device name must be a non-empty string");
+    this.s.device = name;
+    return this;
+  }
+  setPort(port: number): this {
+    this.s.port = checkInt("port", port, 1, 255);
+    return this;
+  }
+  setGidIndex(i: number): this {
+    this.s.gidIndex = checkInt("gidIndex", i, 0, 255);
+    return this;
+  }
+  setCqSize(n: number): this {
+    this.s.cqSize = checkInt("cqSize", n, 1, 1 << 22);
+    return this;
+  }
+  setQpCaps(c: { maxSendWr?: number; maxRecvWr?: number; maxInlineData?: number }): this {
+    if (c.maxSendWr !== undefined) this.s.maxSendWr = checkInt("maxSendWr", c.maxSendWr, 1, 1 << 20);
+    if (c.maxRecvWr !== undefined) this.s.maxRecvWr = checkInt("maxRecvWr", c.maxRecvWr, 1, 1 << 20);
+    if (c.maxInlineData !== undefined) this.s.maxInlineData = checkInt("maxInlineData", c.maxInlineData, 0, 1 << 16);
+    return this;
+  }
+  /** Path MTU in bytes: 256, 512, 1024, 2048 or 4096. */
+  setMtu(mtu: number): this {
+    if (![256, 512, 1024, 2048, 4096].includes(mtu)) throw new RdmaError("INVALID_ARGUMENT", `mtu must be 256, 512, 1024, 2048 or 4096, got ${String(mtu)}`);
+    this.s.mtu = mtu;
+    return this;
+  }
+  /** Local ACK timeout exponent: 4.096 µs × 2^t. */
+  setAckTimeout(t: number): this {
+    this.s.ackTimeout = checkInt("ackTimeout", t, 0, 31);
+    return this;
+  }
+  setRetryCount(n: number): this {
+    this.s.retryCount = checkInt("retryCount", n, 0, 7);
+    return this;
+  }
+  /** RNR retries, 7 = infinite. */
+  setRnrRetry(n: number): this {
+    this.s.rnrRetry = checkInt("rnrRetry", n, 0, 7);
+    return this;
+  }
+  setMinRnrTimer(code: number): this {
+    this.s.minRnrTimer = checkInt("minRnrTimer", code, 0, 31);
+    return this;
+  }
+  /** Outstanding RDMA READs/atomics per QP, both directions. */
+  setMaxRdAtomic(n: number): this {
+    this.s.maxRdAtomic = checkInt("maxRdAtomic", n, 1, 255);
+    return this;
+  }
+  /** Which remote operations the peer may target at this connection (Access.REMOTE_*). */
+  setAccess(flags: number): this {
+    this.s.qpAccess = checkInt("access", flags, 0, 31);
+    return this;
+  }
+  /** "event" (completion events), "busy" (poll while work is outstanding) or "adaptive". */
+  setPolling(mode: PollingMode, spinUs?: number): this {
+    if (mode !== "event" && mode !== "busy" && mode !== "adaptive") throw new RdmaError("INVALID_ARGUMENT", `polling must be "event", "busy" or "adaptive", got ${String(mode)}`);
+    this.s.polling = mode;
+    if (spinUs !== undefined) this.s.spinUs = checkInt("spinUs", spinUs, 0, 1_000_000);
+    return this;
+  }
+  /** Messages up to this size are sent eagerly; larger ones by rendezvous (RDMA READ). */
+  setEagerThreshold(bytes: number): this {
+    this.s.eagerMax = checkInt("eagerThreshold", bytes, 0, 1 << 20);
+    return this;
+  }
+  /** Receive buffers posted per connection (the peer's send credits). */
+  setRecvDepth(n: number): this {
+    this.s.recvDepth = checkInt("recvDepth", n, 8, 65536);
+    return this;
+  }
+  /** Bytes of this side's memory the peer may hold through requestRemoteMr at once. */
+  setRemoteMemoryQuota(bytes: number): this {
+    this.s.quotaBytes = checkInt("remoteMemoryQuota", bytes, 0, Number.MAX_SAFE_INTEGER);
+    return this;
+  }
+  /** Lease of granted and lent memory when none is asked for. */
+  setDefaultLease(ms: number): this {
+    this.s.defaultLeaseMs = checkInt("defaultLease", ms, 1, 2 ** 31);
+    return this;
+  }
+  setMaxLease(ms: number): this {
+    this.s.maxLeaseMs = checkInt("maxLease", ms, 1, 2 ** 31);
+    return this;
+  }
+  setConnectTimeout(ms: number): this {
+    this.s.connectTimeoutMs = checkInt("connectTimeout", ms, 1, 2 ** 31);
+    return this;
+  }
+
+  /** @internal settings checked against the device's limits. */
+  resolve(attr: DeviceAttr): ResolvedSettings {
+    const s = { ...this.s };
+    if (s.maxRecvWr === 0) s.maxRecvWr = s.recvDepth + 8;
+    if (s.cqSize === 0) s.cqSize = s.maxSendWr + s.maxRecvWr + 16;
+    limit("maxSendWr", s.maxSendWr, attr.maxQpWr, "max_qp_wr");
+    limit("maxRecvWr", s.maxRecvWr, attr.maxQpWr, "max_qp_wr");
+    if (s.maxRecvWr < s.recvDepth) throw new RdmaError("INVALID_ARGUMENT", `maxRecvWr = ${s.maxRecvWr} is below recvDepth = ${s.recvDepth}`);
+    limit("cqSize", s.cqSize, attr.maxCqe, "max_cqe");
+    if (s.cqSize < s.maxSendWr + s.maxRecvWr) throw new RdmaError("INVALID_ARGUMENT", `cqSize = ${s.cqSize} is below maxSendWr + maxRecvWr = ${s.maxSendWr + s.maxRecvWr}: the CQ could overrun`);
+    s.maxInlineData = Math.min(s.maxInlineData, attr.maxInline);
+    limit("maxRdAtomic", s.maxRdAtomic, attr.maxQpInitRdAtom, "max_qp_init_rd_atom");
+    limit("port", s.port, attr.physPortCnt, "phys_port_cnt");
+    if (s.eagerMax + 24 > attr.maxMrSize) limit("eagerThreshold", s.eagerMax, attr.maxMrSize - 24, "max_mr_size");
+    if (s.maxLeaseMs < s.defaultLeaseMs) s.defaultLeaseMs = s.maxLeaseMs;
+    return s;
+  }
+
+  private async context(): Promise<{ ctx: Context; s: ResolvedSettings }> {
+    const ctx = await Context.open(this.s.provider, this.s.device);
+    try {
+      return { ctx, s: this.resolve(ctx.device.attr) };
+    } catch (e) {
+      ctx.release();
+      throw e;
+    }
+  }
+
+  /** Connects to a server (listen or bind) at "host:port". */
+  async connect(addr: string | { host: string; port: number }, opts: { signal?: AbortSignal } = {}): Promise<Rdma> {
+    const a = parseAddr(addr);
+    const { ctx, s } = await this.context();
+    return dialWith(ctx, s, a, opts.signal);
+  }
+
+  /** A listener that accepts any number of connections (`for await (const rdma of listener)`). */
+  async bind(addr: string | { host: string; port: number }): Promise<RdmaListener> {
+    const a = parseAddr(addr);
+    const { ctx, s } = await this.context();
+    try {
+      return await RdmaListener.open(ctx, s, a);
+    } catch (e) {
+      ctx.release();
+      throw e;
+    }
+  }
+
+  /** async-rdma's one-shot form: waits for one client, then stops listening. */
+  async listen(addr: string | { host: string; port: number }, opts: { signal?: AbortSignal } = {}): Promise<Rdma> {
+    const l = await this.bind(addr);
+    try {
+      return await l.accept(opts);
+    } finally {
+      await l.close();
+    }
+  }
+}

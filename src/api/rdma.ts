@@ -1,0 +1,331 @@
+/**
+ * Rdma: one connection, with every data operation of async-rdma.
+ */
+import net from "node:net";
+import { RdmaError, checkInt } from "../errors.js";
+import { Access, WrOpcode, type QpConnectAttr } from "../transport/types.js";
+import { Connection, type ConnectionOptions } from "../agent/connection.js";
+import { LocalMemory, LocalMr, RemoteMr } from "../memory/mr.js";
+import { Context } from "./context.js";
+import { LineReader, PROTOCOL_VERSION, fixupEndpoint, parseAddr, parseHello, sendLine } from "./handshake.js";
+import type { ResolvedSettings } from "./builder.js";
+
+export interface OpOptions {
+  signal?: AbortSignal;
+}
+
+function checkLmr(v: unknown, name: string): LocalMr {
+  if (!(v instanceof LocalMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a LocalMr (from allocLocalMr, registerMr or receive)`);
+  return v;
+}
+
+function checkRmr(v: unknown, name: string): RemoteMr {
+  if (!(v instanceof RemoteMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a RemoteMr (from requestRemoteMr or receiveRemoteMr)`);
+  return v;
+}
+
+function checkImm(v: unknown): number {
+  return checkInt("imm", v, 0, 0xffffffff);
+}
+
+function checkBig(v: unknown, name: string): bigint {
+  if (typeof v !== "bigint") throw new RdmaError("INVALID_ARGUMENT", `${name} must be a bigint`);
+  return BigInt.asUintN(64, v);
+}
+
+function signalOf(o: OpOptions | undefined): AbortSignal | undefined {
+  const s = o?.signal;
+  if (s !== undefined && !(s instanceof AbortSignal)) throw new RdmaError("INVALID_ARGUMENT", "signal must be an AbortSignal");
+  return s;
+}
+
+/** Settles a promise that may throw synchronously into a rejected promise. */
+function guard<T>(fn: () => Promise<T>): Promise<T> {
+  try {
+    return fn();
+  } catch (e) {
+    return Promise.reject(e);
+  }
+}
+
+/**
+ * One RDMA connection.
+ *
+ * @example
+ * const rdma = await new RdmaBuilder().connect("127.0.0.1:5555");
+ * using lmr = rdma.allocLocalMr(8);
+ * await rdma.send(lmr);
+ * await rdma.close();
+ */
+export class Rdma {
+  /** @internal */ readonly conn: Connection;
+  /** @internal */ readonly ctx: Context;
+  /** @internal */ readonly settings: ResolvedSettings;
+  private readonly remoteAddr: { host: string; port: number } | null;
+  private readonly userMrs = new Set<LocalMemory>();
+  private closePromise: Promise<void> | null = null;
+
+  /** @internal */
+  constructor(conn: Connection, ctx: Context, settings: ResolvedSettings, remoteAddr: { host: string; port: number } | null) {
+    this.conn = conn;
+    this.ctx = ctx;
+    this.settings = settings;
+    this.remoteAddr = remoteAddr;
+  }
+
+  /** "tcp" or "verbs": the provider this connection runs on. */
+  get provider(): string {
+    return this.ctx.provider.name;
+  }
+
+  get deviceName(): string {
+    return this.ctx.device.name;
+  }
+
+  /** Registered, zeroed memory from the pool; `bytes` is a Uint8Array view over it. */
+  allocLocalMr(size: number): LocalMr {
+    this.conn.checkOpen("allocLocalMr");
+    checkInt("size", size, 1, this.ctx.device.attr.maxMrSize);
+    return new LocalMr(new LocalMemory(this.ctx.pool, this.ctx.pool.alloc(size)), 0, size);
+  }
+
+  /**
+   * Registers the caller's own memory. The MR keeps it alive; disposing the
+   * LocalMr deregisters it (the caller's buffer is not detached).
+   */
+  registerMr(buffer: ArrayBuffer, offset = 0, length?: number): LocalMr {
+    this.conn.checkOpen("registerMr");
+    if (!(buffer instanceof ArrayBuffer)) throw new RdmaError("INVALID_ARGUMENT", "registerMr takes an ArrayBuffer (use view.buffer for a typed array; Buffer pool slices are not allowed)");
+    const mr = this.ctx.pd.registerMr(buffer, Access.LOCAL_WRITE, offset, length);
+    const mem = new LocalMemory(null, { mr, addr: mr.addr, length: mr.length, buffer, bufOffset: mr.offset, mrBufOffset: mr.offset }, () => this.userMrs.delete(mem));
+    this.userMrs.add(mem);
+    return new LocalMr(mem, 0, mr.length);
+  }
+
+  /** Sends `lmr`'s bytes; the peer gets them from receive(). Any length: large messages go by rendezvous READ. */
+  send(lmr: LocalMr, opts?: OpOptions): Promise<void> {
+    return guard(() => this.conn.send(checkLmr(lmr, "lmr"), undefined, signalOf(opts)));
+  }
+
+  /** Like send, with 32 bits of immediate data; the peer gets `{ mr, imm }` from receiveWithImm(). */
+  sendWithImm(lmr: LocalMr, imm: number, opts?: OpOptions): Promise<void> {
+    return guard(() => this.conn.send(checkLmr(lmr, "lmr"), checkImm(imm), signalOf(opts)));
+  }
+
+  /** The next message, in a LocalMr of exactly its length (dispose it when done). */
+  async receive(opts?: OpOptions): Promise<LocalMr> {
+    const r = await this.conn.receive(signalOf(opts));
+    return r.mr;
+  }
+
+  /** The next message and its immediate data (undefined when it was sent without). */
+  receiveWithImm(opts?: OpOptions): Promise<{ mr: LocalMr; imm: number | undefined }> {
+    return guard(() => this.conn.receive(signalOf(opts)));
+  }
+
+  /** One-sided RDMA WRITE of `lmr` into `rmr` (lmr.length ≤ rmr.length). */
+  write(lmr: LocalMr, rmr: RemoteMr, opts?: OpOptions): Promise<void> {
+    return guard(() => this.conn.write(checkLmr(lmr, "lmr"), checkRmr(rmr, "rmr"), undefined, signalOf(opts)));
+  }
+
+  /** RDMA WRITE with immediate: the peer's receiveWriteImm() yields `imm` once the data is in place. */
+  writeWithImm(lmr: LocalMr, rmr: RemoteMr, imm: number, opts?: OpOptions): Promise<void> {
+    return guard(() => this.conn.write(checkLmr(lmr, "lmr"), checkRmr(rmr, "rmr"), checkImm(imm), signalOf(opts)));
+  }
+
+  /** The immediate of the next WRITE_WITH_IMM from the peer. */
+  receiveWriteImm(opts?: OpOptions): Promise<number> {
+    return guard(() => this.conn.receiveWriteImm(signalOf(opts)));
+  }
+
+  /** One-sided RDMA READ of `rmr` into `lmr` (lmr.length bytes). */
+  read(lmr: LocalMr, rmr: RemoteMr, opts?: OpOptions): Promise<void> {
+    return guard(() => this.conn.read(checkLmr(lmr, "lmr"), checkRmr(rmr, "rmr"), signalOf(opts)));
+  }
+
+  /** Atomic compare-and-swap on 8 aligned bytes of `rmr`; resolves to the old value. */
+  compareAndSwap(rmr: RemoteMr, compare: bigint, swap: bigint, opts?: OpOptions): Promise<bigint> {
+    return guard(() => this.conn.atomic(checkRmr(rmr, "rmr"), WrOpcode.ATOMIC_CMP_AND_SWP, checkBig(compare, "compare"), checkBig(swap, "swap"), signalOf(opts)));
+  }
+
+  /** Atomic fetch-and-add on 8 aligned bytes of `rmr`; resolves to the old value. */
+  fetchAndAdd(rmr: RemoteMr, add: bigint, opts?: OpOptions): Promise<bigint> {
+    return guard(() => this.conn.atomic(checkRmr(rmr, "rmr"), WrOpcode.ATOMIC_FETCH_AND_ADD, checkBig(add, "add"), 0n, signalOf(opts)));
+  }
+
+  /**
+   * Asks the peer for `size` bytes of its memory, leased for `leaseMs`
+   * (default: the builder's). Fails with QUOTA_EXCEEDED past the peer's quota.
+   */
+  requestRemoteMr(size: number, opts: OpOptions & { timeoutMs?: number; leaseMs?: number } = {}): Promise<RemoteMr> {
+    return guard(() => {
+      checkInt("size", size, 1, 2 ** 32);
+      const lease = opts.leaseMs === undefined ? this.settings.defaultLeaseMs : checkInt("leaseMs", opts.leaseMs, 1, 2 ** 31);
+      const timeout = opts.timeoutMs === undefined ? undefined : checkInt("timeoutMs", opts.timeoutMs, 1, 2 ** 31);
+      return this.conn.requestRemoteMr(size, lease, timeout, signalOf(opts));
+    });
+  }
+
+  /** Lends exactly `lmr`'s bytes to the peer (receiveRemoteMr there); `lmr` is unusable here until it comes back. */
+  sendLocalMr(lmr: LocalMr, opts: OpOptions & { leaseMs?: number } = {}): Promise<void> {
+    return guard(() => {
+      const lease = opts.leaseMs === undefined ? this.settings.defaultLeaseMs : checkInt("leaseMs", opts.leaseMs, 1, 2 ** 31);
+      return this.conn.sendLocalMr(checkLmr(lmr, "lmr"), lease, signalOf(opts));
+    });
+  }
+
+  /** Memory the peer lent with sendLocalMr. */
+  receiveRemoteMr(opts?: OpOptions): Promise<RemoteMr> {
+    return guard(() => this.conn.receiveRemoteMr(signalOf(opts)));
+  }
+
+  /** Hands a remote region back to its owner (receiveLocalMr there); this side loses access. */
+  sendRemoteMr(rmr: RemoteMr, opts?: OpOptions): Promise<void> {
+    return guard(() => this.conn.sendRemoteMr(checkRmr(rmr, "rmr"), signalOf(opts)));
+  }
+
+  /** Own memory the peer handed back with sendRemoteMr (after writing into it, typically). */
+  receiveLocalMr(opts?: OpOptions): Promise<LocalMr> {
+    return guard(() => this.conn.receiveLocalMr(signalOf(opts)));
+  }
+
+  /**
+   * A new connection to the same server, sharing this one's protection
+   * domain and memory pool (its own QP and CQ). Only for client-side Rdma.
+   */
+  async newConnection(): Promise<Rdma> {
+    this.conn.checkOpen("newConnection");
+    if (!this.remoteAddr) throw new RdmaError("INVALID_STATE", "newConnection() needs a client-side Rdma (from connect); on a server, accept more connections from its listener");
+    return dialWith(this.ctx.retain(), this.settings, this.remoteAddr);
+  }
+
+  /** Internal counters (credits, outstanding work, grants, quota use). */
+  stats(): ReturnType<Connection["stats"]> & { pool: ReturnType<Context["pool"]["stats"]> } {
+    return { ...this.conn.stats(), pool: this.ctx.pool.stats() };
+  }
+
+  get closed(): boolean {
+    return this.conn.isClosed;
+  }
+
+  /** Graceful close: the peer's pending receives reject with CONNECTION_CLOSED; resources are released. */
+  close(): Promise<void> {
+    this.closePromise ??= this.conn.close(this.settings.closeTimeoutMs);
+    return this.closePromise;
+  }
+
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.close();
+  }
+
+  /** @internal called by the connection after teardown */
+  releaseResources(): void {
+    for (const m of [...this.userMrs]) m.release();
+    try {
+      this.conn.qp.destroy();
+    } catch {
+      /* gone */
+    }
+    try {
+      this.conn.cq.destroy();
+    } catch {
+      /* gone */
+    }
+    this.ctx.release();
+  }
+}
+
+/** Creates CQ, QP and agent on `ctx`; the QP is in INIT with receives posted. */
+export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDepth: number; eagerMax: number }, holder: { rdma: Rdma | null }): Connection {
+  const dev = ctx.device;
+  const cq = dev.createCq(s.cqSize);
+  let qp;
+  try {
+    qp = ctx.pd.createQp({ sendCq: cq, recvCq: cq, maxSendWr: s.maxSendWr, maxRecvWr: s.maxRecvWr, maxSendSge: 2, maxRecvSge: 1, maxInlineData: s.maxInlineData, portNum: s.port, access: s.qpAccess });
+  } catch (e) {
+    cq.destroy();
+    throw e;
+  }
+  const opts: ConnectionOptions = {
+    recvDepth: s.recvDepth,
+    eagerMax: s.eagerMax,
+    sendDepth: s.maxSendWr,
+    quotaBytes: s.quotaBytes,
+    defaultLeaseMs: s.defaultLeaseMs,
+    maxLeaseMs: s.maxLeaseMs,
+    polling: s.polling,
+    spinUs: s.spinUs,
+  };
+  const conn = new Connection(qp, cq, ctx.pool, opts, peer, () => holder.rdma?.releaseResources());
+  conn.postInitialReceives();
+  return conn;
+}
+
+export function connectAttr(s: ResolvedSettings): QpConnectAttr {
+  return { portNum: s.port, gidIndex: s.gidIndex, mtu: s.mtu, timeout: s.ackTimeout, retryCnt: s.retryCount, rnrRetry: s.rnrRetry, minRnrTimer: s.minRnrTimer, maxRdAtomic: s.maxRdAtomic, maxDestRdAtomic: s.maxRdAtomic };
+}
+
+/** Client side of the handshake on an existing context. */
+export async function dialWith(ctx: Context, s: ResolvedSettings, addr: { host: string; port: number }, signal?: AbortSignal): Promise<Rdma> {
+  let sock: net.Socket | null = null;
+  let conn: Connection | null = null;
+  const holder: { rdma: Rdma | null } = { rdma: null };
+  let timer: NodeJS.Timeout | null = null;
+  const onAbort = (): void => {
+    sock?.destroy(new Error("aborted"));
+  };
+  try {
+    if (signal?.aborted) throw new RdmaError("ABORTED", "connect aborted");
+    signal?.addEventListener("abort", onAbort, { once: true });
+    sock = net.connect({ host: addr.host, port: addr.port, noDelay: true });
+    const s0 = sock;
+    timer = setTimeout(() => s0.destroy(new Error("timeout")), s.connectTimeoutMs);
+    await new Promise<void>((resolve, reject) => {
+      s0.once("connect", resolve);
+      s0.once("error", (e: NodeJS.ErrnoException) => {
+        if (signal?.aborted) reject(new RdmaError("ABORTED", "connect aborted"));
+        else if (e.message === "timeout") reject(new RdmaError("TIMEOUT", `connect to ${addr.host}:${addr.port} timed out after ${s.connectTimeoutMs} ms`));
+        else if (e.code === "ECONNREFUSED") reject(new RdmaError("CONNECTION_REFUSED", `connection to ${addr.host}:${addr.port} refused: is the server listening?`, { errno: e.code, cause: e }));
+        else reject(new RdmaError("CONNECTION_REFUSED", `cannot reach ${addr.host}:${addr.port}: ${e.message}`, { errno: e.code ?? "EIO", cause: e }));
+      });
+    });
+    const reader = new LineReader(sock);
+    conn = makeConnection(ctx, s, { recvDepth: 0, eagerMax: 0 }, holder);
+    sendLine(sock, { asyncRdma: PROTOCOL_VERSION, provider: ctx.provider.name, endpoint: conn.qp.localEndpoint({ portNum: s.port, gidIndex: s.gidIndex }), recvDepth: s.recvDepth, eagerMax: s.eagerMax });
+    const reply = parseHello(await reader.nextJson().catch(rethrowTimeout(s, addr)), ctx.provider.name);
+    conn.setPeer({ recvDepth: reply.recvDepth, eagerMax: reply.eagerMax });
+    conn.qp.connect(fixupEndpoint(reply.endpoint, sock), connectAttr(s));
+    sendLine(sock, { ready: true });
+    sock.end();
+    conn.start();
+    const rdma = new Rdma(conn, ctx, s, addr);
+    holder.rdma = rdma;
+    return rdma;
+  } catch (e) {
+    sock?.destroy();
+    if (conn) {
+      try {
+        conn.qp.destroy();
+        conn.cq.destroy();
+      } catch {
+        /* best effort */
+      }
+    }
+    ctx.release();
+    throw e;
+  } finally {
+    if (timer) clearTimeout(timer);
+    signal?.removeEventListener("abort", onAbort);
+  }
+}
+
+function rethrowTimeout(s: ResolvedSettings, addr: { host: string; port: number }) {
+  return (e: unknown): never => {
+    if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED" && (e.cause as Error | undefined)?.message === "timeout") {
+      throw new RdmaError("TIMEOUT", `handshake with ${addr.host}:${addr.port} timed out after ${s.connectTimeoutMs} ms`);
+    }
+    throw e;
+  };
+}
+
+export { parseAddr };

@@ -1,0 +1,15 @@
+/**
+ * async-rdma: RDMA for Node.js with high-level abstractions and asynchronous APIs.
+ *
+ * @example
+ * import { RdmaBuilder } from "async-rdma";
+ * const rdma = await new RdmaBuilder().connect("127.0.0.1:5555");
+ */
+export { RdmaBuilder, type ResolvedSettings } from "./api/builder.js";
+export { Rdma, type OpOptions } from "./api/rdma.js";
+export { RdmaListener } from "./api/listener.js";
+export { LocalMr, RemoteMr } from "./memory/mr.js";
+export { RdmaError, isRdmaError, type RdmaErrorCode } from "./errors.js";
+export { Access } from "./transport/types.js";
+export type { PollingMode } from "./agent/connection.js";
+export type { ProviderChoice } from "./transport/providers.js";

@@ -1,0 +1,196 @@
+/**
+ * LocalMr and RemoteMr: the user's handles on registered memory.
+ */
+import { RdmaError } from "../errors.js";
+import type { Sge } from "../transport/types.js";
+import type { Allocation, MrPool } from "./pool.js";
+
+type TypedArrayCtor<T> = { new (buffer: ArrayBuffer, byteOffset: number, length: number): T; BYTES_PER_ELEMENT: number };
+
+/** Owner of the memory behind a LocalMr (the allocation, its pool and its state). */
+export class LocalMemory {
+  readonly pool: MrPool | null;
+  readonly alloc: Allocation;
+  /** Operations in flight that use this memory: freeing waits for them. */
+  inflight = 0;
+  disposed = false;
+  /** Lent to the peer (sendLocalMr) or granted for a remote request: not usable locally. */
+  lentTo: string | null = null;
+  private freePending = false;
+  private readonly onFree: (() => void) | null;
+
+  constructor(pool: MrPool | null, alloc: Allocation, onFree: (() => void) | null = null) {
+    this.pool = pool;
+    this.alloc = alloc;
+    this.onFree = onFree;
+  }
+
+  check(what: string): void {
+    if (this.disposed) throw new RdmaError("INVALID_STATE", `${what}: this memory region was disposed`);
+    if (this.lentTo !== null) throw new RdmaError("INVALID_STATE", `${what}: this memory region is lent to the peer (${this.lentTo}); it is usable again when it comes back`);
+  }
+
+  release(): void {
+    if (this.disposed) return;
+    this.disposed = true;
+    if (this.inflight > 0) this.freePending = true;
+    else this.doFree();
+  }
+
+  opDone(): void {
+    this.inflight--;
+    if (this.inflight === 0 && this.freePending) this.doFree();
+  }
+
+  private doFree(): void {
+    this.freePending = false;
+    if (this.pool) this.pool.free(this.alloc);
+    else this.alloc.mr.deregister();
+    this.onFree?.();
+  }
+}
+
+/**
+ * Registered local memory: `bytes` is a Uint8Array over it. Dispose returns
+ * it to the pool and detaches every view, so freed memory cannot be touched.
+ *
+ * @example
+ * using lmr = rdma.allocLocalMr(8);
+ * lmr.bytes.set([1, 2, 3, 4, 5, 6, 7, 8]);
+ * await rdma.send(lmr.slice(0, 4));
+ */
+export class LocalMr {
+  /** @internal */ readonly mem: LocalMemory;
+  /** Offset of this view inside the allocation. */
+  readonly start: number;
+  readonly length: number;
+
+  /** @internal */
+  constructor(mem: LocalMemory, start: number, length: number) {
+    this.mem = mem;
+    this.start = start;
+    this.length = length;
+  }
+
+  /** A Uint8Array over the bytes (throws if disposed or lent). */
+  get bytes(): Uint8Array {
+    this.mem.check("bytes");
+    const a = this.mem.alloc;
+    return new Uint8Array(a.buffer, a.bufOffset + this.start, this.length);
+  }
+
+  /** A typed view, e.g. `lmr.view(Float64Array)`; the region's offset must be aligned to the element size. */
+  view<T>(ctor: TypedArrayCtor<T>): T {
+    this.mem.check("view");
+    const a = this.mem.alloc;
+    const off = a.bufOffset + this.start;
+    const size = ctor.BYTES_PER_ELEMENT;
+    if (off % size !== 0 || this.length % size !== 0) {
+      throw new RdmaError("INVALID_ARGUMENT", `a ${size}-byte element view needs an aligned offset and length (offset ${this.start}, length ${this.length})`);
+    }
+    return new ctor(a.buffer, off, this.length / size);
+  }
+
+  /** Bytes [start, end) of this region, sharing its memory (no registration). */
+  slice(start: number, end: number = this.length): LocalMr {
+    this.mem.check("slice");
+    if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > this.length || start > end) {
+      throw new RdmaError("OUT_OF_RANGE", `slice(${start}, ${end}) is outside this ${this.length}-byte region`);
+    }
+    return new LocalMr(this.mem, this.start + start, end - start);
+  }
+
+  get disposed(): boolean {
+    return this.mem.disposed;
+  }
+
+  /** @internal scatter/gather element for this view. */
+  sge(): Sge {
+    const a = this.mem.alloc;
+    return { addr: a.addr + this.start, length: this.length, lkey: a.mr.lkey };
+  }
+
+  /** Returns the memory (the whole allocation, also for a slice) and detaches its views. */
+  dispose(): void {
+    if (this.mem.lentTo !== null) throw new RdmaError("INVALID_STATE", "cannot dispose a memory region that is lent to the peer");
+    this.mem.release();
+  }
+
+  [Symbol.dispose](): void {
+    if (!this.mem.disposed && this.mem.lentTo === null) this.mem.release();
+  }
+}
+
+/** The lease state shared by a RemoteMr and its slices. */
+export class RemoteLease {
+  released = false;
+  constructor(
+    readonly token: number,
+    /** performance.now() deadline on this side's monotonic clock (Infinity: none). */
+    readonly deadline: number,
+    private readonly onRelease: ((token: number) => void) | null,
+  ) {}
+
+  check(what: string): void {
+    if (this.released) throw new RdmaError("INVALID_STATE", `${what}: this remote memory region was released`);
+    if (performance.now() >= this.deadline) throw new RdmaError("LEASE_EXPIRED", `${what}: the lease on this remote memory region expired; request a new one`);
+  }
+
+  release(): void {
+    if (this.released) return;
+    this.released = true;
+    this.onRelease?.(this.token);
+  }
+}
+
+/**
+ * Memory of the peer that this side may read, write and apply atomics to,
+ * for as long as its lease lasts.
+ *
+ * @example
+ * const rmr = await rdma.requestRemoteMr(8, { timeoutMs: 5_000 });
+ * await rdma.write(lmr, rmr);
+ */
+export class RemoteMr {
+  /** Address of the first byte in the peer's address space. */
+  readonly addr: number;
+  readonly length: number;
+  readonly rkey: number;
+  /** @internal */ readonly lease: RemoteLease;
+  /** @internal where the region came from: "granted" (requestRemoteMr) or "lent" (receiveRemoteMr). */
+  readonly origin: "granted" | "lent";
+
+  /** @internal */
+  constructor(addr: number, length: number, rkey: number, lease: RemoteLease, origin: "granted" | "lent") {
+    this.addr = addr;
+    this.length = length;
+    this.rkey = rkey;
+    this.lease = lease;
+    this.origin = origin;
+  }
+
+  /** Monotonic deadline (performance.now() scale) after which the peer revokes access. */
+  get leaseDeadline(): number {
+    return this.lease.deadline;
+  }
+
+  get released(): boolean {
+    return this.lease.released;
+  }
+
+  slice(start: number, end: number = this.length): RemoteMr {
+    if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > this.length || start > end) {
+      throw new RdmaError("OUT_OF_RANGE", `slice(${start}, ${end}) is outside this ${this.length}-byte remote region`);
+    }
+    return new RemoteMr(this.addr + start, end - start, this.rkey, this.lease, this.origin);
+  }
+
+  /** Gives the region back to its owner early (a no-op when already released). */
+  dispose(): void {
+    this.lease.release();
+  }
+
+  [Symbol.dispose](): void {
+    this.lease.release();
+  }
+}

@@ -1,0 +1,149 @@
+/**
+ * The MR pool: registered memory handed out in size classes, so small
+ * allocations do not each cost a registration (ibv_reg_mr pins pages and
+ * talks to the kernel: microseconds to milliseconds).
+ *
+ * Two strategies, chosen by what the provider can do:
+ * - slabs (native memory, MemoryRegion.aliasBuffer present): one registration
+ *   per slab; each allocation gets its own ArrayBuffer aliasing its bytes, so
+ *   freeing it detaches exactly its views.
+ * - per-allocation registration (tcp provider: memory is a plain JS
+ *   ArrayBuffer, which cannot be aliased): registration there is a map insert,
+ *   so nothing is lost, and each allocation still detaches on free.
+ *
+ * Pool memory is registered with LOCAL_WRITE only: a slab's rkey would expose
+ * every allocation in it. Remote access is granted per range (see grant()).
+ */
+import { RdmaError, checkInt } from "../errors.js";
+import { Access, type MemoryRegion, type ProtectionDomain } from "../transport/types.js";
+import { detachArrayBuffer } from "../transport/buffers.js";
+
+const CLASSES = [64, 256, 1024, 4096, 16384, 65536];
+const SLAB_BYTES = 1 << 20;
+
+export interface Allocation {
+  /** The registration covering the bytes. */
+  readonly mr: MemoryRegion;
+  /** Address of the first byte (for scatter/gather elements). */
+  readonly addr: number;
+  readonly length: number;
+  /** ArrayBuffer for JS views and its offset. */
+  readonly buffer: ArrayBuffer;
+  readonly bufOffset: number;
+  /** Offset of the first byte inside `mr.buffer` (for sub-registrations). */
+  readonly mrBufOffset: number;
+}
+
+interface Slab {
+  mr: MemoryRegion;
+  chunk: number;
+  free: number[];
+}
+
+interface PooledAllocation extends Allocation {
+  slab: Slab | null;
+  chunkIndex: number;
+}
+
+export interface PoolStats {
+  registrations: number;
+  slabs: number;
+  liveAllocations: number;
+  liveBytes: number;
+}
+
+export class MrPool {
+  readonly pd: ProtectionDomain;
+  private readonly slabs = new Map<number, Slab[]>();
+  private useSlabs: boolean | null = null;
+  private live = new Set<PooledAllocation>();
+  private liveBytes = 0;
+  private registrations = 0;
+  private closed = false;
+
+  constructor(pd: ProtectionDomain) {
+    this.pd = pd;
+  }
+
+  stats(): PoolStats {
+    let slabs = 0;
+    for (const l of this.slabs.values()) slabs += l.length;
+    return { registrations: this.registrations, slabs, liveAllocations: this.live.size, liveBytes: this.liveBytes };
+  }
+
+  /** Zeroed, registered memory of `size` bytes. */
+  alloc(size: number): Allocation {
+    if (this.closed) throw new RdmaError("INVALID_STATE", "memory pool is closed (the connection was closed)");
+    checkInt("size", size, 1, this.pd.device.attr.maxMrSize);
+    const cls = CLASSES.find((c) => c >= size);
+    if (cls !== undefined && this.slabsSupported()) return this.fromSlab(cls, size);
+    const mr = this.pd.registerMr(size, Access.LOCAL_WRITE);
+    this.registrations++;
+    const a: PooledAllocation = { mr, addr: mr.addr, length: size, buffer: mr.buffer, bufOffset: mr.offset, mrBufOffset: mr.offset, slab: null, chunkIndex: -1 };
+    this.live.add(a);
+    this.liveBytes += size;
+    return a;
+  }
+
+  /** Returns memory to the pool and detaches its views. */
+  free(alloc: Allocation): void {
+    const a = alloc as PooledAllocation;
+    if (!this.live.delete(a)) return;
+    this.liveBytes -= a.length;
+    if (a.slab === null) {
+      a.mr.deregister();
+      return;
+    }
+    detachArrayBuffer(a.buffer);
+    a.slab.free.push(a.chunkIndex);
+  }
+
+  private slabsSupported(): boolean {
+    if (this.useSlabs === null) {
+      const probe = this.pd.registerMr(4096, Access.LOCAL_WRITE);
+      this.useSlabs = typeof probe.aliasBuffer === "function";
+      probe.deregister();
+    }
+    return this.useSlabs;
+  }
+
+  private fromSlab(cls: number, size: number): Allocation {
+    let list = this.slabs.get(cls);
+    if (!list) this.slabs.set(cls, (list = []));
+    let slab = list.find((s) => s.free.length > 0);
+    if (!slab) {
+      const mr = this.pd.registerMr(SLAB_BYTES, Access.LOCAL_WRITE);
+      this.registrations++;
+      const n = SLAB_BYTES / cls;
+      slab = { mr, chunk: cls, free: Array.from({ length: n }, (_, i) => n - 1 - i) };
+      list.push(slab);
+    }
+    const idx = slab.free.pop()!;
+    const off = idx * cls;
+    const buffer = slab.mr.aliasBuffer!(slab.mr.offset + off, size);
+    new Uint8Array(buffer).fill(0);
+    const a: PooledAllocation = { mr: slab.mr, addr: slab.mr.addr + off, length: size, buffer, bufOffset: 0, mrBufOffset: slab.mr.offset + off, slab, chunkIndex: idx };
+    this.live.add(a);
+    this.liveBytes += size;
+    return a;
+  }
+
+  /**
+   * A registration over exactly [offset, offset+length) of an allocation with
+   * the given remote access: what a peer gets, never a whole slab. Revoking it
+   * (deregister) makes any later access fail with a remote access error.
+   */
+  grant(alloc: Allocation, offset: number, length: number, access: number): MemoryRegion {
+    this.registrations++;
+    return this.pd.registerMr(alloc.mr.buffer, access | Access.LOCAL_WRITE, alloc.mrBufOffset + offset, length);
+  }
+
+  /** Frees everything (connection teardown). */
+  close(): void {
+    if (this.closed) return;
+    this.closed = true;
+    for (const a of [...this.live]) this.free(a);
+    for (const list of this.slabs.values()) for (const s of list) s.mr.deregister();
+    this.slabs.clear();
+  }
+}
