@@ -736,26 +736,27 @@ export class Connection {
   }
 
   private onRendezvous(m: Msg): void {
+    // `m` is the reused decode buffer: copy what the continuation needs.
+    const { token, a: len, addr, rkey } = m;
     const entry: Incoming = { ready: false, mr: null, imm: m.b === 1 ? m.imm : undefined };
     this.incoming.push(entry);
     this.heldRecvs++;
     let dst: LocalMemory;
     try {
-      dst = new LocalMemory(this.pool, this.pool.alloc(m.a));
+      dst = new LocalMemory(this.pool, this.pool.alloc(len));
     } catch (e) {
-      return this.protocolError(`cannot allocate ${m.a} bytes for a rendezvous message: ${(e as Error).message}`);
+      return this.protocolError(`cannot allocate ${len} bytes for a rendezvous message: ${(e as Error).message}`);
     }
-    const token = m.token;
     const op = this.newOp("read");
     op.then = (ok) => {
       if (!ok) return dst.release();
       entry.ready = true;
-      entry.mr = new LocalMr(dst, 0, m.a);
+      entry.mr = new LocalMr(dst, 0, len);
       this.sendCtrl({ type: MsgType.RNDV_DONE, token });
       this.deliver();
     };
     const a = dst.alloc;
-    this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.RDMA_READ, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: m.a, lkey: a.mr.lkey }], remoteAddr: m.addr, rkey: m.rkey }, op, credit: 0, hdr: null });
+    this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.RDMA_READ, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: len, lkey: a.mr.lkey }], remoteAddr: addr, rkey }, op, credit: 0, hdr: null });
   }
 
   private onControl(m: Msg): void {

@@ -1,0 +1,220 @@
+/**
+ * The whole surface of the native addon (native/verbs.c), typed in one place,
+ * and its loader. Nothing else imports the .node file.
+ *
+ * Handles are opaque napi externals; each keeps its native object (and,
+ * through native reference counts, everything that object depends on) alive
+ * until it is garbage collected, so JS may drop them in any order.
+ *
+ * Errors thrown by the addon are plain Errors with an `errno` property (an
+ * errno name such as "EINVAL", or "DESTROYED" for a released object); the
+ * provider turns them into RdmaError (see errors.ts in this folder).
+ */
+import { createRequire } from "node:module";
+import { existsSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { fileURLToPath } from "node:url";
+
+declare const handleBrand: unique symbol;
+/** An opaque native object of kind K. */
+export type Handle<K extends string> = { readonly [handleBrand]: K };
+export type ContextHandle = Handle<"context">;
+export type PdHandle = Handle<"pd">;
+export type CqHandle = Handle<"cq">;
+export type QpHandle = Handle<"qp">;
+export type MrHandle = Handle<"mr">;
+export type MwHandle = Handle<"mw">;
+
+export interface NativeDeviceInfo {
+  name: string;
+  /** "xxxx:xxxx:xxxx:xxxx" */
+  guid: string;
+  nodeType: number;
+  transportType: number;
+}
+
+/** ibv_device_attr (numbers as the C fields), plus the measured max inline size. */
+export interface NativeDeviceAttr {
+  fwVer: string;
+  nodeGuid: string;
+  vendorId: number;
+  vendorPartId: number;
+  maxMrSize: number;
+  maxQp: number;
+  maxQpWr: number;
+  maxSge: number;
+  maxCq: number;
+  maxCqe: number;
+  maxMr: number;
+  maxPd: number;
+  maxQpRdAtom: number;
+  maxQpInitRdAtom: number;
+  /** enum ibv_atomic_cap: 0 NONE, 1 HCA, 2 GLOB */
+  atomicCap: number;
+  maxMw: number;
+  /** enum ibv_device_cap_flags bits */
+  deviceCapFlags: number;
+  physPortCnt: number;
+  /** Largest max_inline_data a QP could be created with. */
+  maxInline: number;
+}
+
+export interface NativePortAttr {
+  /** enum ibv_port_state */
+  state: number;
+  /** bytes */
+  activeMtu: number;
+  maxMtu: number;
+  /** 0 unspecified, 1 InfiniBand, 2 Ethernet */
+  linkLayer: number;
+  lid: number;
+  gidTblLen: number;
+  gids: { index: number; gid: string; type?: string }[];
+}
+
+/** Shared-buffer layout constants, as compiled into the addon (checked against codec.ts at load). */
+export interface NativeLayout {
+  ctrlBytes: number;
+  sendWrBytes: number;
+  recvWrBytes: number;
+  sgeBytes: number;
+}
+
+export interface NativeAddon {
+  readonly layout: NativeLayout;
+  /** ibv_get_device_list ([] when the kernel has no RDMA support). */
+  listDevices(): NativeDeviceInfo[];
+  /** ibv_open_device of `name` (null: the first device); async events go to `onAsync`. */
+  open(name: string | null, onAsync: (type: number, qpNum: number, portNum: number, text: string) => void): ContextHandle;
+  /** Releases everything opened on the context (windows, QPs, MRs, CQs, PDs), then the context. */
+  close(ctx: ContextHandle): void;
+  queryDevice(ctx: ContextHandle): NativeDeviceAttr;
+  queryPort(ctx: ContextHandle, port: number): NativePortAttr;
+  queryGid(ctx: ContextHandle, port: number, index: number): string;
+  allocPd(ctx: ContextHandle): PdHandle;
+  deallocPd(pd: PdHandle): void;
+  /** Page-aligned zeroed memory, registered: [handle, external ArrayBuffer, addr, lkey, rkey]. */
+  regMr(pd: PdHandle, length: number, access: number): [MrHandle, ArrayBuffer, number, number, number];
+  /** The caller's memory (kept alive by the MR): [handle, addr, lkey, rkey]. */
+  regMrUser(pd: PdHandle, buffer: ArrayBuffer, offset: number, length: number, access: number): [MrHandle, number, number, number];
+  /** ibv_dereg_mr; provider-allocated memory's ArrayBuffer is detached. */
+  deregMr(mr: MrHandle): void;
+  /** [handle, initial rkey] */
+  allocMw(pd: PdHandle, type: 1 | 2): [MwHandle, number];
+  deallocMw(mw: MwHandle): void;
+  /** [handle, actual cqe]; `onNotify` runs once per reqNotifyCq when a completion arrives. */
+  createCq(ctx: ContextHandle, depth: number, onNotify: () => void): [CqHandle, number];
+  destroyCq(cq: CqHandle): void;
+  reqNotifyCq(cq: CqHandle): void;
+  /** ibv_poll_cq straight into the arrays; returns the count. */
+  pollCq(
+    cq: CqHandle,
+    max: number,
+    wrId: Float64Array,
+    status: Uint8Array,
+    opcode: Uint8Array,
+    flags: Uint8Array,
+    byteLen: Uint32Array,
+    imm: Uint32Array,
+    qpNum: Uint32Array,
+    vendorErr: Uint32Array,
+  ): number;
+  /** ibv_create_qp (RC) + INIT: [handle, qpNum, maxSendWr, maxRecvWr, maxSendSge, maxRecvSge, maxInline]. */
+  createQp(
+    pd: PdHandle,
+    sendCq: CqHandle,
+    recvCq: CqHandle,
+    maxSendWr: number,
+    maxRecvWr: number,
+    maxSendSge: number,
+    maxRecvSge: number,
+    maxInline: number,
+    sqSigAll: number,
+    portNum: number,
+    access: number,
+  ): [QpHandle, number, number, number, number, number, number];
+  /** INIT -> RTR -> RTS with GID addressing. */
+  connectQp(
+    qp: QpHandle,
+    portNum: number,
+    gidIndex: number,
+    mtu: number,
+    destQpn: number,
+    rqPsn: number,
+    sqPsn: number,
+    dlid: number,
+    dgid: string,
+    timeout: number,
+    retryCnt: number,
+    rnrRetry: number,
+    minRnrTimer: number,
+    maxRdAtomic: number,
+    maxDestRdAtomic: number,
+  ): void;
+  setQpError(qp: QpHandle): void;
+  /** enum ibv_qp_state, -1 once destroyed. */
+  queryQpState(qp: QpHandle): number;
+  destroyQp(qp: QpHandle): void;
+  /**
+   * One ibv_post_send of the `count` WRs encoded in `buf` (codec.ts). Returns
+   * 0, an errno (> 0) or a POST_* code (< 0); on failure the u32 at buf[0]
+   * is the index of the first WR not posted. `objs` holds the MW/MR handles
+   * BIND_MW records refer to by index.
+   */
+  postSend(qp: QpHandle, buf: ArrayBuffer, count: number, objs: readonly (MwHandle | MrHandle)[] | undefined): number;
+  postRecv(qp: QpHandle, buf: ArrayBuffer, count: number): number;
+  errnoName(errno: number): string;
+}
+
+/** postSend/postRecv results other than an errno. */
+export const POST_DESTROYED = -1;
+export const POST_BAD_BUFFER = -2;
+export const POST_BAD_RECORD = -3;
+
+export const ADDON_FILE = "async_rdma_verbs.node";
+
+/** Where the addon is looked for: $ASYNC_RDMA_NATIVE, then build/Release of the package. */
+export function addonCandidates(): string[] {
+  const here = dirname(fileURLToPath(import.meta.url));
+  const out: string[] = [];
+  if (process.env.ASYNC_RDMA_NATIVE) out.push(process.env.ASYNC_RDMA_NATIVE);
+  // dist/src/transport/verbs -> package root is 4 up; src/transport/verbs (ts loaders) 3 up.
+  for (const up of ["../../../..", "../../.."]) {
+    const root = join(here, up);
+    if (existsSync(join(root, "package.json"))) out.push(join(root, "build", "Release", ADDON_FILE));
+  }
+  return out;
+}
+
+export type LoadResult = { ok: true; addon: NativeAddon; path: string } | { ok: false; reason: string };
+
+let cached: LoadResult | null = null;
+
+export function loadAddon(): LoadResult {
+  if (cached) return cached;
+  const req = createRequire(import.meta.url);
+  const tried = addonCandidates();
+  const path = tried.find((p) => existsSync(p));
+  if (path === undefined) {
+    cached = {
+      ok: false,
+      reason:
+        `the native addon is not built (looked for ${tried.join(", ") || ADDON_FILE}). ` +
+        "Fix: install the rdma-core headers (apt-get install -y libibverbs-dev librdmacm-dev ibverbs-providers rdma-core) and rebuild it with `npm run build:native`",
+    };
+    return cached;
+  }
+  try {
+    cached = { ok: true, addon: req(path) as NativeAddon, path };
+  } catch (e) {
+    const msg = (e as Error).message;
+    const lib = /lib(ibverbs|rdmacm)[^:]*: cannot open shared object/.exec(msg);
+    cached = {
+      ok: false,
+      reason: lib
+        ? `libibverbs is missing (${msg.split("\n")[0]}). Fix: apt-get install -y libibverbs1 ibverbs-providers rdma-core`
+        : `the native addon ${path} failed to load: ${msg.split("\n")[0]}. Fix: rebuild it with \`npm run build:native\``,
+    };
+  }
+  return cached;
+}

@@ -1,0 +1,244 @@
+/**
+ * The async-rdma API on the provider under test: every data operation,
+ * ownership, leases, quota, abort, close, concurrency.
+ */
+import { describe, it } from "node:test";
+import assert from "node:assert/strict";
+import { RdmaError, RemoteMr } from "../../src/index.js";
+import { RemoteLease } from "../../src/memory/mr.js";
+import { PROVIDER, eventually, pattern, until, withApiPair } from "../support/api.js";
+
+function code(c: string) {
+  return (e: unknown) => {
+    assert.ok(e instanceof RdmaError, `expected RdmaError, got ${String(e)}`);
+    assert.equal(e.code, c, e.message);
+    return true;
+  };
+}
+
+describe(`API data operations [${PROVIDER}]`, () => {
+  it("send/receive of any length: eager, the eager edge, rendezvous (1 MiB), in order", () =>
+    withApiPair(async ({ server, client }) => {
+      const sizes = [1, 8, 4095, 4096, 4097, 65536, 1 << 20];
+      const sent = sizes.map((n, i) => {
+        const m = client.allocLocalMr(n);
+        m.bytes.set(pattern(n, i + 1));
+        return m;
+      });
+      const sends = sent.map((m) => client.send(m));
+      for (let i = 0; i < sizes.length; i++) {
+        using got = await server.receive();
+        assert.equal(got.length, sizes[i]);
+        assert.deepEqual(got.bytes, pattern(sizes[i]!, i + 1), `message ${i} (${sizes[i]} bytes)`);
+      }
+      await Promise.all(sends);
+      for (const m of sent) m.dispose();
+    }));
+
+  it("sendWithImm / receiveWithImm resolve to { mr, imm }; plain send has imm undefined", () =>
+    withApiPair(async ({ server, client }) => {
+      using a = client.allocLocalMr(8);
+      a.bytes.fill(3);
+      using big = client.allocLocalMr(10_000);
+      await client.sendWithImm(a, 0xdeadbeef);
+      await client.send(a);
+      const p = client.sendWithImm(big, 7);
+      const r1 = await server.receiveWithImm();
+      assert.equal(r1.imm, 0xdeadbeef);
+      assert.deepEqual([...r1.mr.bytes], [3, 3, 3, 3, 3, 3, 3, 3]);
+      const r2 = await server.receiveWithImm();
+      assert.equal(r2.imm, undefined);
+      const r3 = await server.receiveWithImm();
+      assert.equal(r3.imm, 7, "rendezvous messages carry the immediate too");
+      assert.equal(r3.mr.length, 10_000);
+      await p;
+      await assert.rejects(client.sendWithImm(a, -1), code("INVALID_ARGUMENT"));
+    }));
+
+  it("write, read and writeWithImm on slices; bounds are checked before anything is posted", () =>
+    withApiPair(async ({ server, client }) => {
+      const rmr = await client.requestRemoteMr(64, { timeoutMs: 5000 });
+      using lmr = client.allocLocalMr(64);
+      lmr.bytes.set(pattern(64, 9));
+      await client.write(lmr.slice(16, 48), rmr.slice(16, 48));
+      using back = client.allocLocalMr(64);
+      await client.read(back, rmr);
+      assert.deepEqual([...back.bytes.subarray(16, 48)], [...lmr.bytes.subarray(16, 48)]);
+      assert.deepEqual([...back.bytes.subarray(0, 16)], new Array(16).fill(0));
+      await client.writeWithImm(lmr.slice(0, 4), rmr.slice(60, 64), 60);
+      assert.equal(await server.receiveWriteImm(), 60);
+      assert.throws(() => lmr.slice(10, 65), code("OUT_OF_RANGE"));
+      assert.throws(() => rmr.slice(-1, 2), code("OUT_OF_RANGE"));
+      await assert.rejects(client.write(lmr, rmr.slice(0, 63)), code("OUT_OF_RANGE"));
+      await assert.rejects(client.write({} as never, rmr), code("INVALID_ARGUMENT"));
+      await client.sendRemoteMr(rmr);
+      using mine = await server.receiveLocalMr();
+      assert.deepEqual([...mine.bytes.subarray(16, 48)], [...lmr.bytes.subarray(16, 48)]);
+      assert.deepEqual([...mine.bytes.subarray(60, 64)], [...lmr.bytes.subarray(0, 4)]);
+      await assert.rejects(client.write(lmr, rmr), code("INVALID_STATE"), "a region handed back cannot be used any more");
+    }));
+
+  it("compareAndSwap and fetchAndAdd return the old value; misaligned targets are refused locally", () =>
+    withApiPair(async ({ client }) => {
+      const rmr = await client.requestRemoteMr(16);
+      const w = rmr.slice(8, 16);
+      assert.equal(await client.fetchAndAdd(w, 5n), 0n);
+      assert.equal(await client.fetchAndAdd(w, 5n), 5n);
+      assert.equal(await client.compareAndSwap(w, 10n, 100n), 10n);
+      assert.equal(await client.compareAndSwap(w, 10n, 200n), 100n, "no swap when the compare fails");
+      assert.equal(await client.fetchAndAdd(w, -1n), 100n);
+      assert.equal(await client.fetchAndAdd(w, 0n), 99n);
+      await assert.rejects(client.fetchAndAdd(rmr.slice(4, 12), 1n), code("INVALID_ARGUMENT"));
+      await assert.rejects(client.fetchAndAdd(rmr.slice(0, 4), 1n), code("OUT_OF_RANGE"));
+      await assert.rejects(client.fetchAndAdd(w, 1 as never), code("INVALID_ARGUMENT"));
+    }));
+
+  it("sendLocalMr lends exactly those bytes; the lender cannot touch them until they come back", () =>
+    withApiPair(async ({ server, client }) => {
+      const lmr = client.allocLocalMr(32);
+      lmr.bytes.fill(1);
+      const part = lmr.slice(8, 16);
+      await client.sendLocalMr(part);
+      assert.throws(() => lmr.bytes, code("INVALID_STATE"));
+      const rmr = await server.receiveRemoteMr();
+      assert.equal(rmr.length, 8);
+      using buf = server.allocLocalMr(8);
+      await server.read(buf, rmr);
+      assert.deepEqual([...buf.bytes], new Array(8).fill(1));
+      buf.bytes.fill(9);
+      await server.write(buf, rmr);
+      await server.sendRemoteMr(rmr);
+      using back = await client.receiveLocalMr();
+      assert.deepEqual([...back.bytes], new Array(8).fill(9));
+      assert.deepEqual([...lmr.bytes.subarray(0, 8)], new Array(8).fill(1), "bytes outside the lent range untouched");
+      assert.deepEqual([...lmr.bytes.subarray(8, 16)], new Array(8).fill(9));
+    }));
+
+  it("a dropped RemoteMr goes back early: the lender can use its memory again", () =>
+    withApiPair(async ({ server, client }) => {
+      const lmr = client.allocLocalMr(8);
+      await client.sendLocalMr(lmr);
+      const rmr = await server.receiveRemoteMr();
+      rmr.dispose();
+      await eventually(() => client.stats().lends === 0, 5000, "the lend to return");
+      lmr.bytes.fill(4);
+      assert.equal(lmr.bytes[0], 4);
+    }));
+
+  it("lease expiry, requester side: a late write fails with LEASE_EXPIRED and never reaches the wire", () =>
+    withApiPair(async ({ client, server }) => {
+      const rmr = await client.requestRemoteMr(8, { leaseMs: 30 });
+      using lmr = client.allocLocalMr(8);
+      await client.write(lmr, rmr);
+      await until(rmr.leaseDeadline);
+      await assert.rejects(client.write(lmr, rmr), code("LEASE_EXPIRED"));
+      await eventually(() => server.stats().grants === 0, 5000, "the owner to revoke the grant");
+      // the connection is still fine
+      const r2 = await client.requestRemoteMr(8);
+      await client.write(lmr, r2);
+    }));
+
+  it("lease expiry, owner side: after revocation a forged access fails with REMOTE_ACCESS and touches nothing", () =>
+    withApiPair(async ({ client, server }) => {
+      const rmr = await client.requestRemoteMr(8, { leaseMs: 30 });
+      await until(rmr.leaseDeadline);
+      await eventually(() => server.stats().grants === 0, 5000, "the owner to revoke the grant");
+      // Bypass the local lease check, as a buggy or hostile client would.
+      const forged = new RemoteMr(rmr.addr, rmr.length, rmr.rkey, new RemoteLease(1, Infinity, null), "granted");
+      using lmr = client.allocLocalMr(8);
+      lmr.bytes.fill(0xee);
+      await assert.rejects(client.write(lmr, forged), code("REMOTE_ACCESS"));
+      // RC: a remote access error is fatal for the connection, on both sides.
+      await assert.rejects(client.send(lmr), (e: unknown) => e instanceof RdmaError);
+    }));
+
+  it("quota: requests past the peer's quota fail with QUOTA_EXCEEDED until memory is released", () =>
+    withApiPair(
+      async ({ client, server }) => {
+        const a = await client.requestRemoteMr(3000);
+        await assert.rejects(client.requestRemoteMr(2000), code("QUOTA_EXCEEDED"));
+        const b = await client.requestRemoteMr(1000);
+        a.dispose();
+        await eventually(() => server.stats().quotaUsed === 1000, 5000, "the release to reach the owner");
+        const c = await client.requestRemoteMr(3000);
+        c.dispose();
+        b.dispose();
+      },
+      { server: (b) => b.setRemoteMemoryQuota(4096) },
+    ));
+
+  it("every wait takes an AbortSignal: receive, requestRemoteMr, send", () =>
+    withApiPair(async ({ client, server }) => {
+      const ac = new AbortController();
+      const p = server.receive({ signal: ac.signal });
+      ac.abort(new Error("user gave up"));
+      await assert.rejects(p, code("ABORTED"));
+      await assert.rejects(server.receiveLocalMr({ signal: AbortSignal.abort() }), code("ABORTED"));
+      await assert.rejects(client.requestRemoteMr(8, { signal: AbortSignal.abort() }), code("ABORTED"));
+      // the connection still works after aborts, and an aborted receive does not eat a message
+      using m = client.allocLocalMr(4);
+      m.bytes.fill(2);
+      await client.send(m);
+      using got = await server.receive();
+      assert.deepEqual([...got.bytes], [2, 2, 2, 2]);
+    }));
+
+  it("close with pending work: the peer's pending receives reject with CONNECTION_CLOSED", () =>
+    withApiPair(async ({ client, server }) => {
+      const pending = [client.receive(), client.receiveWithImm(), client.receiveWriteImm(), client.receiveRemoteMr()].map((p) => assert.rejects(p, code("CONNECTION_CLOSED")));
+      await server.close();
+      await Promise.all(pending);
+      await assert.rejects(client.requestRemoteMr(8), code("CONNECTION_CLOSED"));
+      assert.throws(() => server.allocLocalMr(8), code("CONNECTION_CLOSED"));
+    }));
+
+  it("hundreds of operations in flight on one connection, data verified", () =>
+    withApiPair(async ({ client, server }) => {
+      const N = 300;
+      const rmr = await client.requestRemoteMr(N * 64);
+      const srcs = Array.from({ length: N }, (_, i) => {
+        const m = client.allocLocalMr(64);
+        m.bytes.set(pattern(64, i + 100));
+        return m;
+      });
+      const msgs = Array.from({ length: N }, (_, i) => {
+        const m = client.allocLocalMr(100 + i);
+        m.bytes.set(pattern(100 + i, i + 5000));
+        return m;
+      });
+      const ops: Promise<unknown>[] = [];
+      for (let i = 0; i < N; i++) {
+        ops.push(client.write(srcs[i]!, rmr.slice(i * 64, i * 64 + 64)));
+        ops.push(client.send(msgs[i]!));
+        ops.push(client.fetchAndAdd(rmr.slice(0, 8), 0n));
+      }
+      const recv = (async () => {
+        for (let i = 0; i < N; i++) {
+          using r = await server.receive();
+          assert.deepEqual(r.bytes, pattern(100 + i, i + 5000), `message ${i}`);
+        }
+      })();
+      await Promise.all([...ops, recv]);
+      using all = client.allocLocalMr(N * 64);
+      await client.read(all, rmr);
+      for (let i = 1; i < N; i++) assert.deepEqual(all.bytes.subarray(i * 64, i * 64 + 64), pattern(64, i + 100), `write ${i}`);
+    }));
+
+  it("disposing memory detaches its views; a registered user buffer stays the user's", () =>
+    withApiPair(async ({ client }) => {
+      const lmr = client.allocLocalMr(16);
+      const view = lmr.bytes;
+      view.fill(1);
+      lmr.dispose();
+      assert.equal(view.length, 0, "the old view is detached");
+      assert.throws(() => lmr.bytes, code("INVALID_STATE"));
+      const ab = new ArrayBuffer(32);
+      const mine = client.registerMr(ab, 8, 16);
+      mine.bytes.fill(7);
+      assert.equal(new Uint8Array(ab)[8], 7);
+      mine.dispose();
+      assert.equal(ab.byteLength, 32, "the user's buffer is not detached");
+      const f64 = client.allocLocalMr(64).view(Float64Array);
+      assert.equal(f64.length, 8);
+    }));
+});

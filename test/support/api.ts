@@ -1,0 +1,72 @@
+/**
+ * API test support: builders for the provider under test and connected pairs.
+ */
+import { RdmaBuilder, type Rdma } from "../../src/index.js";
+import { PROVIDER, deviceNames } from "./seam.js";
+
+export { PROVIDER };
+
+export function builder(side: "server" | "client" = "client"): RdmaBuilder {
+  const b = new RdmaBuilder().setProvider(PROVIDER);
+  const [a, c] = deviceNames();
+  const dev = side === "server" ? a : c;
+  if (PROVIDER === "verbs" && dev) b.setDevice(dev);
+  return b;
+}
+
+export interface ApiPair {
+  server: Rdma;
+  client: Rdma;
+  close(): Promise<void>;
+}
+
+export async function apiPair(configure: { server?: (b: RdmaBuilder) => RdmaBuilder; client?: (b: RdmaBuilder) => RdmaBuilder } = {}): Promise<ApiPair> {
+  const sb = (configure.server ?? ((b) => b))(builder("server"));
+  const cb = (configure.client ?? ((b) => b))(builder("client"));
+  const listener = await sb.bind("127.0.0.1:0");
+  const [client, server] = await Promise.all([cb.connect(`127.0.0.1:${listener.port}`), listener.accept()]);
+  await listener.close();
+  return {
+    server,
+    client,
+    async close() {
+      await Promise.allSettled([client.close(), server.close()]);
+    },
+  };
+}
+
+export async function withApiPair(fn: (p: ApiPair) => Promise<void>, configure?: Parameters<typeof apiPair>[0]): Promise<void> {
+  const p = await apiPair(configure);
+  try {
+    await fn(p);
+  } finally {
+    await p.close();
+  }
+}
+
+/** Deterministic bytes for data checks. */
+export function pattern(n: number, seed: number): Uint8Array {
+  const out = new Uint8Array(n);
+  let x = seed >>> 0 || 1;
+  for (let i = 0; i < n; i++) {
+    x ^= x << 13;
+    x ^= x >>> 17;
+    x ^= x << 5;
+    out[i] = x & 0xff;
+  }
+  return out;
+}
+
+/** Resolves at a monotonic deadline (a lease end): waiting for an event, not a guess. */
+export function until(deadline: number): Promise<void> {
+  return new Promise((r) => setTimeout(r, Math.max(0, Math.ceil(deadline - performance.now())) + 1));
+}
+
+/** Runs event-loop turns until `cond` holds or `ms` pass. */
+export async function eventually(cond: () => boolean, ms: number, what: string): Promise<void> {
+  const end = performance.now() + ms;
+  while (!cond()) {
+    if (performance.now() > end) throw new Error(`timed out after ${ms} ms waiting for ${what}`);
+    await new Promise((r) => setImmediate(r));
+  }
+}
