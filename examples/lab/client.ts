@@ -5,6 +5,7 @@
 import assert from "node:assert/strict";
 import { RdmaBuilder, type Rdma } from "../../src/index.js";
 
+
 /** Send data to the server. */
 async function sendDataToServer(rdma: Rdma): Promise<void> {
   using lmr = rdma.allocLocalMr(8);

@@ -5,6 +5,7 @@
 import assert from "node:assert/strict";
 import { RdmaBuilder, type Rdma } from "../../src/index.js";
 
+
 /** Receive the data the client sent. */
 async function receiveDataFromClient(rdma: Rdma): Promise<void> {
   using lmr = await rdma.receive();

@@ -36,9 +36,15 @@ export interface ResolvedSettings {
   closeTimeoutMs: number;
 }
 
+function envProvider(): ProviderChoice {
+  const p = process.env.ASYNC_RDMA_PROVIDER;
+  return p === "tcp" || p === "verbs" ? p : "auto";
+}
+
+/** Defaults; ASYNC_RDMA_PROVIDER and ASYNC_RDMA_DEVICE set the provider and device for programs that do not. */
 const DEFAULTS: ResolvedSettings = {
-  provider: "auto",
-  device: undefined,
+  provider: envProvider(),
+  device: process.env.ASYNC_RDMA_DEVICE || undefined,
   port: 1,
   gidIndex: Number(process.env.RXE_GID_INDEX ?? 1),
   cqSize: 0,

@@ -312,6 +312,7 @@ export async function dialWith(ctx: Context, s: ResolvedSettings, addr: { host: 
       }
     }
     ctx.release();
+    if (signal?.aborted && !(e instanceof RdmaError && e.code === "ABORTED")) throw new RdmaError("ABORTED", `connect to ${addr.host}:${addr.port} aborted`, { cause: e });
     throw e;
   } finally {
     if (timer) clearTimeout(timer);
