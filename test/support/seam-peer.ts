@@ -390,7 +390,7 @@ async function serve(a: Args): Promise<void> {
       case "run": {
         if (!remote) throw new Error("run before connect");
         running = side.traffic(remote, chunkFor(a.bytes, Number(m.chunk ?? 0)));
-        running.then((r) => ch.send({ type: "ran", ...r }));
+        running.then((r) => ch.send({ ...r, type: "ran" }));
         break;
       }
       case "verify": {
@@ -448,7 +448,7 @@ async function client(a: Args): Promise<void> {
     ms: Math.round(ms),
     mibPerSec: Math.round((moved / (1 << 20) / (ms / 1000)) * 10) / 10,
     client: { host: a.host, traffic: mine, verify: { recv: v.recv, write: v.write, read: v.read }, recvError, events: side.events },
-    server: { traffic: theirs, verify: { recv: verified.recv, write: verified.write, read: verified.read }, recvError: verified.recvError, events: verified.events },
+    server: { traffic: { ok: theirs!.ok, ms: theirs!.ms, statuses: theirs!.statuses }, verify: { recv: verified.recv, write: verified.write, read: verified.read }, recvError: verified.recvError, events: verified.events },
     srcSha: { client: side.srcSha, server: ready.srcSha },
   };
   process.stdout.write(JSON.stringify(summary) + "\n");
