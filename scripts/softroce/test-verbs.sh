@@ -1,0 +1,32 @@
+#!/bin/sh
+# npm run test:verbs — the whole conformance and API suite on the verbs provider,
+# on real libibverbs against Soft-RoCE inside the QEMU guest:
+#   1. layout "single": one rxe device, both ends on it;
+#   2. layout "veth":   rxe0 and rxe1 joined by a veth wire (two "hosts").
+# The same test files as on tcp (ASYNC_RDMA_PROVIDER=verbs selects the provider);
+# a missing device or addon makes the tests FAIL, never skip.
+# Usage: scripts/softroce/test-verbs.sh [layouts...] [-- test filters...]
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd -P)
+ROOT=$(cd "$HERE/../.." && pwd -P)
+cd "$ROOT"
+LAYOUTS=""
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do LAYOUTS="$LAYOUTS $1"; shift; done
+[ "${1:-}" = "--" ] && shift
+FILTERS=${*:-"conformance api"}
+LAYOUTS=${LAYOUTS:-"single veth"}
+if ! ls build/Release/*.node >/dev/null 2>&1; then
+  echo "test-verbs: the native addon is not built (build/Release/*.node missing): run 'npm run build:native' (needs libibverbs-dev, librdmacm-dev)" >&2
+  exit 1
+fi
+rc=0
+for layout in $LAYOUTS; do
+  echo "=== verbs suite, layout $layout ==="
+  start=$(date +%s)
+  # Timeouts in the tests scale up 5x in the guest (TCG emulation is 4-7x slower for JIT code).
+  "$HERE/run.sh" -l "$layout" -m 3G -t 1500 "ASYNC_RDMA_PROVIDER=verbs TEST_CONCURRENCY=1 node scripts/run-tests.mjs $FILTERS"
+  r=$?
+  echo "=== layout $layout: exit $r after $(( $(date +%s) - start )) s ==="
+  [ $r = 0 ] || rc=1
+done
+exit $rc
