@@ -241,7 +241,6 @@ describe("peer death [tcp, child process]", () => {
   it(
     "kill -9 while the send waits out an RNR NAK: it fails RETRY_EXC_ERR (not a bare flush)",
     {
-      todo: "BUG (tcp qp.ts connectionLost): after an RNR NAK the WR is back in QUEUED (go-back-N), firstSent() finds nothing, and the QP goes to ERR with only WR_FLUSH_ERR completions: no WR reports why",
     },
     async () => {
       // The child answers with its longest RNR timer (code 0 = 655 ms): the death comes in the middle of the wait.
@@ -298,7 +297,6 @@ describe("peer death [tcp, child process]", () => {
   it(
     "silent peer after an idle spell: the ACK timeout runs from the transmission, not from the last ACK",
     {
-      todo: "BUG (tcp qp.ts armAckTimer): lastProgress is only refreshed by responses, so after the QP idled longer than timeout×(retryCnt+1) the next WR fails RETRY_EXC_ERR at the first timer tick (≈ timeout ms), not after timeout×(retryCnt+1)",
     },
     async () => {
       const p = await startPeer({ timeout: TIMEOUT, retryCnt: RETRY, rnrRetry: 7, minRnrTimer: 1 }, {}, "child-only");

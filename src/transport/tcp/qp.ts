@@ -71,8 +71,9 @@ interface SqEntry {
   state: number;
   status: number;
   rnrTries: number;
-  /** READ/ATOMIC: where the response lands, resolved at transmit. */
+  /** READ/ATOMIC: where the response lands, resolved at transmit, and whether those MRs are still registered. */
   targets: Uint8Array[] | null;
+  guard: (() => boolean) | null;
 }
 
 interface RqEntry {
@@ -92,6 +93,15 @@ const WC_OF_WR: Record<number, number> = {
   [WrOpcode.BIND_MW]: WcOpcode.BIND_MW,
 };
 
+/** A guard that holds while every MR in `mrs` is registered. */
+function mrsAlive(mrs: TcpMr[]): () => boolean {
+  const list = mrs.slice();
+  return () => {
+    for (const m of list) if (m.deregistered) return false;
+    return true;
+  };
+}
+
 /** psn a is before b in 24-bit serial arithmetic. */
 function psnBefore(a: number, b: number): boolean {
   return ((b - a) & PSN_MASK) !== 0 && ((b - a) & PSN_MASK) < 0x800000;
@@ -108,6 +118,8 @@ class FrameReader {
   readonly h: FrameHeader = newHeader();
   private remaining = 0;
   private targets: Uint8Array[] | null = null;
+  /** Checked before every placement: false once the target memory was deregistered. */
+  private guard: (() => boolean) | null = null;
   private ti = 0;
   private toff = 0;
   stopped = false;
@@ -118,11 +130,14 @@ class FrameReader {
     public onHeader: (h: FrameHeader) => void,
     public onPayloadDone: (h: FrameHeader) => void,
     public onMalformed: (reason: string) => void,
+    /** The target memory went away mid-payload: the rest of it is discarded. */
+    public onRevoked: (h: FrameHeader) => void = () => {},
   ) {}
 
-  /** Called from onHeader: where the payload goes (null = discard). */
-  place(targets: Uint8Array[] | null): void {
+  /** Called from onHeader: where the payload goes (null = discard), and what keeps it valid. */
+  place(targets: Uint8Array[] | null, guard: (() => boolean) | null = null): void {
     this.targets = targets;
+    this.guard = guard;
     this.ti = 0;
     this.toff = 0;
   }
@@ -133,7 +148,13 @@ class FrameReader {
     while (off < len && !this.stopped) {
       if (this.remaining > 0) {
         const n = Math.min(this.remaining, len - off);
-        if (this.targets !== null) this.scatter(chunk, off, n);
+        if (this.targets !== null) {
+          if (this.guard !== null && !this.guard()) {
+            // Deregistered while its payload was arriving: no byte may land after deregister returned.
+            this.targets = null;
+            this.onRevoked(this.h);
+          } else this.scatter(chunk, off, n);
+        }
         off += n;
         this.remaining -= n;
         if (this.remaining === 0) this.onPayloadDone(this.h);
@@ -162,6 +183,7 @@ class FrameReader {
         return;
       }
       this.targets = null;
+      this.guard = null;
       this.remaining = this.h.payloadLen;
       this.onHeader(this.h);
       if (this.stopped) {
@@ -253,7 +275,8 @@ export class TcpQueuePair implements QueuePair {
   private rqHead = 0;
   private respSock: net.Socket | null = null;
   private respReader: FrameReader | null = null;
-  private parked: { sock: net.Socket; srcQp: number; psn: number; rest: Buffer | null } | null = null;
+  /** Streams that arrived before connect(): the one matching the peer's endpoint is adopted, the rest dropped. */
+  private parked: { sock: net.Socket; srcQp: number; psn: number; rest: Buffer | null }[] = [];
   private ePsn = 0;
   private rnrNakPsn = -1;
   private ackPending = -1;
@@ -333,6 +356,7 @@ export class TcpQueuePair implements QueuePair {
       (h) => this.onResponseHeader(h),
       (h) => this.onResponseDone(h),
       (reason) => this.protocolError("requester", reason),
+      () => this.onResponseRevoked(),
     );
     this.reqReader = reader;
     sock.on("data", (chunk: Buffer) => reader.feed(chunk));
@@ -343,10 +367,11 @@ export class TcpQueuePair implements QueuePair {
     sock.on("error", (e) => this.connectionLost(`connection to peer ${remote.gid}:${remote.port} failed: ${e.message}`));
     sock.on("close", () => this.connectionLost("peer closed the connection"));
     sock.write(encodeHeader(FrameType.HELLO, 0, this.initialPsn, 0, 0, 0, 0, remote.qpNum, BigInt(this.qpNum), 0n));
-    if (this.parked) {
-      const p = this.parked;
-      this.parked = null;
-      this.incoming(p.sock, p.srcQp, p.psn, p.rest);
+    const parked = this.parked;
+    this.parked = [];
+    for (const p of parked) {
+      if (p.srcQp === remote.qpNum && p.psn === remote.psn && !this.respSock) this.incoming(p.sock, p.srcQp, p.psn, p.rest);
+      else p.sock.destroy();
     }
     this.lastProgress = performance.now();
     this.pump();
@@ -355,9 +380,13 @@ export class TcpQueuePair implements QueuePair {
   /** An incoming stream for this QP (the peer's requests). Parked, paused, until connect() when it arrives early. */
   incoming(sock: net.Socket, srcQp: number, psn: number, rest: Buffer | null): void {
     if (this.state === QpState.INIT) {
-      this.parked?.sock.destroy();
+      // A stranger's HELLO must not evict the real peer's stream: keep a few, bounded.
+      if (this.parked.length >= 4) {
+        sock.destroy();
+        return;
+      }
       sock.pause();
-      this.parked = { sock, srcQp, psn, rest };
+      this.parked.push({ sock, srcQp, psn, rest });
       return;
     }
     if (this.state !== QpState.RTS || !this.remote || srcQp !== this.remote.qpNum || psn !== this.remote.psn || this.respSock) {
@@ -369,6 +398,7 @@ export class TcpQueuePair implements QueuePair {
       (h) => this.onRequestHeader(h),
       (h) => this.onRequestDone(h),
       (reason) => this.protocolError("responder", reason),
+      (h) => this.onRequestRevoked(h),
     );
     this.respReader = reader;
     const feed = (chunk: Buffer): void => {
@@ -475,6 +505,7 @@ export class TcpQueuePair implements QueuePair {
       status: WcStatus.SUCCESS,
       rnrTries: 0,
       targets: null,
+      guard: null,
     };
     switch (op) {
       case WrOpcode.RDMA_WRITE:
@@ -518,11 +549,15 @@ export class TcpQueuePair implements QueuePair {
     return e;
   }
 
+  /** The MRs the last localView() calls resolved to (for placement guards). */
+  private resolved: TcpMr[] = [];
+
   /** The bytes an SGE names, or null for a local protection error. */
   private localView(s: Sge, needWrite: boolean): Uint8Array | null {
     if (s.length === 0) return new Uint8Array(0);
     const t = this.device.keys.get(s.lkey);
     if (!t || !("lkey" in t) || t.lkey !== s.lkey || t.pd !== this.pd || t.deregistered) return null;
+    this.resolved.push(t);
     if (needWrite && !(t.access & Access.LOCAL_WRITE)) return null;
     const off = s.addr - t.addr;
     if (off < 0 || off + s.length > t.length) return null;
@@ -535,6 +570,8 @@ export class TcpQueuePair implements QueuePair {
     const sock = this.reqSock;
     if (this.state !== QpState.RTS || sock === null || this.drainWait || this.rnrWait !== null || this.pendingLocalError) return;
     let wrote = false;
+    // The ACK timer measures from the first request after an idle period, not from the last response.
+    const wasIdle = this.firstSent() === null;
     while (this.txIdx < this.sq.length) {
       const e = this.sq[this.txIdx]!;
       if (e.state === ENTRY_DONE) {
@@ -574,7 +611,10 @@ export class TcpQueuePair implements QueuePair {
         break;
       }
     }
-    if (wrote) this.armAckTimer();
+    if (wrote) {
+      if (wasIdle) this.lastProgress = performance.now();
+      this.armAckTimer();
+    }
     this.completeInOrder();
   }
 
@@ -582,12 +622,14 @@ export class TcpQueuePair implements QueuePair {
     const flags = (e.hasImm ? FrameFlags.IMM : 0) | (e.solicited ? FrameFlags.SOLICITED : 0);
     if (isRd) {
       const targets: Uint8Array[] = [];
+      this.resolved = [];
       for (const s of e.sges) {
         const v = this.localView(s, true);
         if (v === null) return false;
         targets.push(v);
       }
       e.targets = targets;
+      e.guard = mrsAlive(this.resolved);
       if (e.opcode === WrOpcode.RDMA_READ) {
         sock.write(encodeHeader(FrameType.READ_REQ, 0, e.psn, 0, e.rkey, e.remoteAddr, 0, e.len, 0n, 0n));
       } else {
@@ -736,7 +778,7 @@ export class TcpQueuePair implements QueuePair {
         }
         if (h.type === FrameType.READ_RESP) {
           if (h.payloadLen !== e.len) return this.protocolError("requester", `read response of ${h.payloadLen} bytes for a ${e.len}-byte read`);
-          this.reqReader!.place(e.targets);
+          this.reqReader!.place(e.targets, e.guard);
         }
         this.respTargetEntry = e;
         return;
@@ -760,6 +802,18 @@ export class TcpQueuePair implements QueuePair {
     this.outstandingRd--;
     this.completeInOrder();
     this.pump();
+  }
+
+  /** A READ's local target was deregistered while the response arrived: local protection error. */
+  private onResponseRevoked(): void {
+    const e = this.respTargetEntry;
+    if (e === null || this.state !== QpState.RTS) return;
+    this.respTargetEntry = null;
+    e.state = ENTRY_DONE;
+    e.status = WcStatus.LOC_PROT_ERR;
+    e.targets = null;
+    this.outstandingRd--;
+    this.completeInOrder();
   }
 
   private onRnrNak(e: SqEntry, timerCode: number): void {
@@ -797,8 +851,7 @@ export class TcpQueuePair implements QueuePair {
       if (this.rnrWait === null && performance.now() - this.lastProgress >= limit) {
         e.state = ENTRY_DONE;
         e.status = WcStatus.RETRY_EXC_ERR;
-        this.completeInOrder();
-        this.emit("QP_FATAL", `no response from the peer within ${limit.toFixed(0)} ms (timeout ${this.timeoutMs.toFixed(1)} ms × ${this.retryCnt + 1} tries)`);
+        this.enterError(`no response from the peer within ${limit.toFixed(0)} ms (timeout ${this.timeoutMs.toFixed(1)} ms × ${this.retryCnt + 1} tries)`, true, "QP_FATAL");
         return;
       }
       this.ackTimer = setTimeout(check, Math.max(1, this.timeoutMs));
@@ -840,18 +893,28 @@ export class TcpQueuePair implements QueuePair {
     this.enterError(reason, true);
   }
 
+  private remoteGuard: (() => boolean) | null = null;
+
   /** Resolve a remote access: the bytes, or null after sending the NAK. */
   private remoteView(h: FrameHeader, len: number, need: number): Uint8Array | null {
     if (len === 0) return new Uint8Array(0);
     const t = this.device.keys.get(h.rkey);
     let view: Uint8Array | null = null;
+    this.remoteGuard = null;
     if (t && t.pd === this.pd) {
       if ("lkey" in t) {
         const off = h.raddr - t.addr;
-        if (!t.deregistered && t.access & need && off >= 0 && off + len <= t.length) view = t.view.subarray(off, off + len);
+        if (!t.deregistered && t.access & need && off >= 0 && off + len <= t.length) {
+          view = t.view.subarray(off, off + len);
+          this.remoteGuard = () => !t.deregistered;
+        }
       } else if (t.mr && (t.type === 1 || t.qp === this) && t.access & need && h.raddr >= t.addr && h.raddr + len <= t.addr + t.length) {
         const off = h.raddr - t.mr.addr;
         view = t.mr.view.subarray(off, off + len);
+        const mr = t.mr;
+        const key = h.rkey;
+        // The window may be invalidated or its MR deregistered mid-payload.
+        this.remoteGuard = () => !mr.deregistered && t.rkey === key;
       }
     }
     if (view === null) this.nak(h.psn, Syndrome.NAK_REM_ACCESS, `remote access denied: rkey 0x${h.rkey.toString(16)} [0x${h.raddr.toString(16)}, +${len})`);
@@ -911,6 +974,7 @@ export class TcpQueuePair implements QueuePair {
         if (r === null) return;
         const targets: Uint8Array[] = [];
         let left = h.payloadLen;
+        this.resolved = [];
         for (const s of r.sges) {
           if (left === 0) break;
           const v = this.localView(s, true);
@@ -923,7 +987,7 @@ export class TcpQueuePair implements QueuePair {
           left -= take;
         }
         this.curRecv = r;
-        reader.place(targets);
+        reader.place(targets, mrsAlive(this.resolved));
         return;
       }
       case FrameType.WRITE: {
@@ -940,7 +1004,7 @@ export class TcpQueuePair implements QueuePair {
           this.curRecv = r;
           this.curWriteImm = true;
         }
-        reader.place([v]);
+        reader.place([v], this.remoteGuard);
         return;
       }
       case FrameType.READ_REQ: {
@@ -969,6 +1033,14 @@ export class TcpQueuePair implements QueuePair {
       default:
         return this.protocolError("responder", `unexpected frame type ${h.type} on the responder stream`);
     }
+  }
+
+  /** The target of an incoming WRITE/SEND went away mid-payload: remote access error, as an HCA would answer. */
+  private onRequestRevoked(h: FrameHeader): void {
+    if (this.respDiscard || this.state !== QpState.RTS) return;
+    if (this.curRecv) this.recvCq.push(this.curRecv.wrId, WcStatus.LOC_PROT_ERR, WcOpcode.RECV, 0, 0, 0, this.qpNum);
+    this.curRecv = null;
+    this.nak(h.psn, h.type === FrameType.SEND ? Syndrome.NAK_REM_OP : Syndrome.NAK_REM_ACCESS, "target memory was deregistered while its data arrived");
   }
 
   private onRequestDone(h: FrameHeader): void {
@@ -1003,18 +1075,26 @@ export class TcpQueuePair implements QueuePair {
       }
     }
     this.enterError(`malformed frame from peer on the ${side} stream: ${reason}`, true, "QP_FATAL");
-    this.completeInOrder();
   }
 
   private connectionLost(reason: string): void {
     if (this.state === QpState.ERR || this.state === QpState.RESET) return;
-    const e = this.firstSent();
+    // The oldest WR that went out at least once (also one waiting out an RNR timer) reports why.
+    const e = this.oldestStarted();
     if (e) {
       e.state = ENTRY_DONE;
       e.status = WcStatus.RETRY_EXC_ERR;
-      this.completeInOrder();
     }
     this.enterError(reason, true, "QP_FATAL");
+  }
+
+  private oldestStarted(): SqEntry | null {
+    for (let i = this.sqHead; i < this.sq.length; i++) {
+      const e = this.sq[i]!;
+      if (e.state === ENTRY_DONE) continue;
+      return e.psn >= 0 ? e : null;
+    }
+    return null;
   }
 
   fatal(type: AsyncEventType, reason: string): void {
@@ -1048,8 +1128,8 @@ export class TcpQueuePair implements QueuePair {
     // The peer learns at once (its streams close) instead of after its ACK timeout.
     this.reqSock?.end();
     this.respSock?.end();
-    this.parked?.sock.destroy();
-    this.parked = null;
+    for (const p of this.parked) p.sock.destroy();
+    this.parked = [];
     if (notify) this.emit(type, reason);
   }
 
@@ -1063,9 +1143,9 @@ export class TcpQueuePair implements QueuePair {
     this.boundWindows.clear();
     this.reqSock?.destroy();
     this.respSock?.destroy();
-    this.parked?.sock.destroy();
+    for (const p of this.parked) p.sock.destroy();
     this.reqSock = this.respSock = null;
-    this.parked = null;
+    this.parked = [];
     this.sq = [];
     this.rq = [];
     this.device.qps.delete(this.qpNum);
