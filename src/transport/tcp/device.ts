@@ -253,6 +253,19 @@ export class TcpMr implements MemoryRegion {
     return this._buffer;
   }
 
+  /** Socket writes still reading this MR's bytes (zero-copy payloads). */
+  private pendingWrites = 0;
+  private detachPending = false;
+
+  /** A socket write from this MR's bytes is queued; `writeDone` runs when the kernel has them. */
+  retainForWrite(): void {
+    this.pendingWrites++;
+  }
+
+  readonly writeDone = (): void => {
+    if (--this.pendingWrites === 0 && this.detachPending) this.detach();
+  };
+
   deregister(): void {
     if (this.deregistered) return;
     if (this.boundWindows > 0) throw new RdmaError("INVALID_STATE", `MR has ${this.boundWindows} memory windows bound (verbs refuses with EBUSY)`, { errno: "EBUSY" });
@@ -260,10 +273,17 @@ export class TcpMr implements MemoryRegion {
     this.pd.device.keys.delete(this.lkey);
     this.pd.released("mr");
     if (this.owned) {
-      // Memory the provider allocated: detach every JS view so it cannot be touched after free.
-      detachArrayBuffer(this._buffer);
-      this.view = new Uint8Array(0);
+      // Memory the provider allocated: detach every JS view so it cannot be touched after free,
+      // but only once no queued socket write still reads it (else the kernel would read freed memory).
+      if (this.pendingWrites > 0) this.detachPending = true;
+      else this.detach();
     }
+  }
+
+  private detach(): void {
+    this.detachPending = false;
+    detachArrayBuffer(this._buffer);
+    this.view = new Uint8Array(0);
   }
 }
 

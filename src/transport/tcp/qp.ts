@@ -642,6 +642,7 @@ export class TcpQueuePair implements QueuePair {
     let views: Uint8Array[] | null = null;
     if (e.inline === null) {
       views = [];
+      this.resolved = [];
       for (const s of e.sges) {
         const v = this.localView(s, false);
         if (v === null) return false;
@@ -653,7 +654,14 @@ export class TcpQueuePair implements QueuePair {
     sock.write(encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0n, 0n));
     if (e.inline !== null) {
       if (e.inline.length > 0) sock.write(e.inline);
-    } else for (const v of views!) sock.write(v);
+    } else {
+      // Each MR stays allocated until the kernel has copied its bytes, even if deregistered meanwhile.
+      for (let i = 0; i < views!.length; i++) {
+        const mr = this.resolved[i]!;
+        mr.retainForWrite();
+        sock.write(views![i]!, mr.writeDone);
+      }
+    }
     sock.uncork();
     return true;
   }
@@ -863,13 +871,16 @@ export class TcpQueuePair implements QueuePair {
 
   // -------------------------------------------------------------- responder
 
-  private respond(type: FrameType, psn: number, aux: number, op1: bigint, op2: bigint, payload: Uint8Array | null): void {
+  private respond(type: FrameType, psn: number, aux: number, op1: bigint, op2: bigint, payload: Uint8Array | null, from: TcpMr | null = null): void {
     const s = this.respSock;
     if (!s || s.destroyed) return;
     if (payload && payload.length > 0) {
       s.cork();
       s.write(encodeHeader(type, 0, psn, payload.length, 0, 0, 0, aux, op1, op2));
-      s.write(payload);
+      if (from) {
+        from.retainForWrite();
+        s.write(payload, from.writeDone);
+      } else s.write(payload);
       s.uncork();
     } else {
       s.write(encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2));
@@ -894,6 +905,7 @@ export class TcpQueuePair implements QueuePair {
   }
 
   private remoteGuard: (() => boolean) | null = null;
+  private remoteMr: TcpMr | null = null;
 
   /** Resolve a remote access: the bytes, or null after sending the NAK. */
   private remoteView(h: FrameHeader, len: number, need: number): Uint8Array | null {
@@ -901,17 +913,20 @@ export class TcpQueuePair implements QueuePair {
     const t = this.device.keys.get(h.rkey);
     let view: Uint8Array | null = null;
     this.remoteGuard = null;
+    this.remoteMr = null;
     if (t && t.pd === this.pd) {
       if ("lkey" in t) {
         const off = h.raddr - t.addr;
         if (!t.deregistered && t.access & need && off >= 0 && off + len <= t.length) {
           view = t.view.subarray(off, off + len);
+          this.remoteMr = t;
           this.remoteGuard = () => !t.deregistered;
         }
       } else if (t.mr && (t.type === 1 || t.qp === this) && t.access & need && h.raddr >= t.addr && h.raddr + len <= t.addr + t.length) {
         const off = h.raddr - t.mr.addr;
         view = t.mr.view.subarray(off, off + len);
         const mr = t.mr;
+        this.remoteMr = mr;
         const key = h.rkey;
         // The window may be invalidated or its MR deregistered mid-payload.
         this.remoteGuard = () => !mr.deregistered && t.rkey === key;
@@ -1012,7 +1027,7 @@ export class TcpQueuePair implements QueuePair {
         const v = this.remoteView(h, h.aux, Access.REMOTE_READ);
         if (v === null) return;
         this.ackPending = -1;
-        this.respond(FrameType.READ_RESP, h.psn, 0, 0n, 0n, v);
+        this.respond(FrameType.READ_RESP, h.psn, 0, 0n, 0n, v, this.remoteMr);
         return;
       }
       case FrameType.ATOMIC: {
