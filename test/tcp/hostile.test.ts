@@ -691,8 +691,6 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
     for (const stream of ["responder", "requester"] as const) {
       it(
         `the peer closing its ${stream} stream with work outstanding raises QP_FATAL with the reason`,
-        {
-        },
         () =>
           withFakePeer(async (p) => {
             await outstanding(p);
@@ -898,9 +896,6 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
 
   it(
     "a READ response still queued when its MR is deregistered: the peer gets exactly the MR's bytes, never freed memory",
-    {
-      todo: "BUG (tcp device.ts TcpMr.deregister + qp.ts respond): READ_RESP payloads are written zero-copy from the MR; deregister() detaches the buffer while the socket still holds the queued view, so the kernel reads freed memory (write EFAULT, or other heap bytes sent to the peer)",
-    },
     () =>
       withFakePeer(async (p) => {
         const SIZE = 16 << 20;
@@ -941,9 +936,6 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
 
   it(
     "setError() with a big WRITE still queued, then deregister its source MR: no freed memory is read (EFAULT) or sent to the peer",
-    {
-      todo: "BUG (tcp qp.ts transmit/enterError + device.ts TcpMr.deregister): SEND/WRITE payloads are queued zero-copy; after the flush completion the application may deregister the MR, which detaches (frees) the memory while enterError's end() still drains the queued views into the socket",
-    },
     () =>
       withFakePeer(async (p) => {
         const SIZE = 16 << 20;

@@ -240,8 +240,6 @@ describe("peer death [tcp, child process]", () => {
 
   it(
     "kill -9 while the send waits out an RNR NAK: it fails RETRY_EXC_ERR (not a bare flush)",
-    {
-    },
     async () => {
       // The child answers with its longest RNR timer (code 0 = 655 ms): the death comes in the middle of the wait.
       const p = await startPeer({ timeout: 20, retryCnt: 7, rnrRetry: 7, minRnrTimer: 1 }, { minRnrTimer: 0 });
@@ -296,8 +294,6 @@ describe("peer death [tcp, child process]", () => {
 
   it(
     "silent peer after an idle spell: the ACK timeout runs from the transmission, not from the last ACK",
-    {
-    },
     async () => {
       const p = await startPeer({ timeout: TIMEOUT, retryCnt: RETRY, rnrRetry: 7, minRnrTimer: 1 }, {}, "child-only");
       try {
