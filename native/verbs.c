@@ -461,7 +461,7 @@ static void guid_str(uint64_t be, char *out, size_t n) {
 static void call_js(napi_env env, napi_ref fn_ref, napi_async_context actx, size_t argc, napi_value *argv) {
   napi_value fn, recv, res;
   if (napi_get_reference_value(env, fn_ref, &fn) != napi_ok || fn == NULL) return;
-  napi_get_undefined(env, &recv);
+  napi_get_global(env, &recv); /* napi_make_callback needs an object receiver */
   if (napi_make_callback(env, actx, recv, fn, argc, argv, &res) != napi_ok) {
     bool pending = false;
     napi_is_exception_pending(env, &pending);
@@ -1161,6 +1161,19 @@ static napi_value qp_create(napi_env env, napi_callback_info info) {
   if (e) {
     ibv_destroy_qp(qp);
     return throw_errno(env, "ibv_modify_qp(INIT)", e);
+  }
+  /* The queue depths the device really gives (rxe rounds them up to 2^n - 1
+   * and reports only the rounded values through ibv_query_qp). */
+  {
+    struct ibv_qp_attr qa;
+    struct ibv_qp_init_attr qia;
+    if (ibv_query_qp(qp, &qa, IBV_QP_CAP, &qia) == 0) {
+      if (qa.cap.max_send_wr > a.cap.max_send_wr) a.cap.max_send_wr = qa.cap.max_send_wr;
+      if (qa.cap.max_recv_wr > a.cap.max_recv_wr) a.cap.max_recv_wr = qa.cap.max_recv_wr;
+      if (qa.cap.max_send_sge > a.cap.max_send_sge) a.cap.max_send_sge = qa.cap.max_send_sge;
+      if (qa.cap.max_recv_sge > a.cap.max_recv_sge) a.cap.max_recv_sge = qa.cap.max_recv_sge;
+      if (qa.cap.max_inline_data > a.cap.max_inline_data) a.cap.max_inline_data = qa.cap.max_inline_data;
+    }
   }
   qp_t *q = calloc(1, sizeof *q);
   if (q) {

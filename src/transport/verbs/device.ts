@@ -236,7 +236,10 @@ export class VerbsDevice implements Device {
   /** A completion with an error status means its QP went to ERR (RC semantics). */
   markError(qpNum: number): void {
     const qp = this.qps.get(qpNum)?.deref();
-    if (qp) qp.sawError = true;
+    if (qp && !qp.sawError) {
+      qp.sawError = true;
+      qp.kickFlush();
+    }
   }
 
   close(): void {
@@ -797,9 +800,28 @@ export class VerbsQp implements QueuePair {
           if (rc === 12) throw new RdmaError("RESOURCE_EXHAUSTED", `receive work request #${i}: receive queue full (${this.caps.maxRecvWr})`, { errno: "ENOMEM" });
           throw errnoError(this.device.addon, rc, `receive work request #${i}: ibv_post_recv failed`);
         }
+        if (this.sawError) this.kickFlush();
       }
       if (invalid) throw invalid;
       base += n;
+    }
+  }
+
+  /**
+   * Makes the device flush receives posted while the QP is in ERR. Verbs
+   * completes them with WR_FLUSH_ERR; rxe (kernel 6.1) flushes the receive
+   * queue only when its responder runs, and a user-space post_recv on rxe
+   * writes the shared queue without any doorbell, so a receive posted after
+   * the error would sit there forever. ERR -> ERR is a legal transition that
+   * runs the flush (rxe_qp_error). Called when an error completion is first
+   * seen and after each receive post on a QP known to be in ERR.
+   */
+  kickFlush(): void {
+    if (this.destroyed || this.device.closed) return;
+    try {
+      this.device.addon.setQpError(this.handle);
+    } catch {
+      /* best effort */
     }
   }
 
