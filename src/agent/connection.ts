@@ -49,6 +49,8 @@ export interface ConnectionOptions {
   polling: PollingMode;
   /** adaptive mode: how long to keep polling after the last completion before arming events. */
   spinUs: number;
+  /** The QP's max inline data (0: no inline sends). */
+  maxInline: number;
 }
 
 export interface PeerParams {
@@ -61,6 +63,8 @@ const CTRL_RESERVE = 3;
 const CTRL_BUF = 64;
 /** Completions handled per event-loop turn before yielding ("512 ops" as zeromq.js does). */
 const POLL_BUDGET = 512;
+/** At least one signaled WR per this many, so the send queue drains under selective signaling. */
+const SIGNAL_EVERY = 32;
 
 type OpKind = "msg" | "write" | "read" | "atomic" | "recv";
 
@@ -155,11 +159,16 @@ export class Connection {
   private credits: number;
   private toReturn = 0;
   private sqOutstanding = 0;
+  /** Slot ids of posted send WRs, in post order (completions arrive in this order). */
+  private sqFifo: number[] = [];
+  private sqFifoHead = 0;
+  private sinceSignal = 0;
   private ctrlQ: Pending[] = [];
   private dataQ: Pending[] = [];
   private flushScheduled = false;
   private readonly cbuf = new CompletionBuffer(128);
   private polling = false;
+  private lastActivity = 0;
   private pollScheduled = false;
 
   private readonly incoming: Incoming[] = [];
@@ -291,7 +300,9 @@ export class Connection {
           new DataView(a.buffer, a.bufOffset + 4, 4).setUint32(0, this.toReturn);
           this.toReturn = 0;
         }
-        p.wr.wrId = this.slot(p.op);
+        const id = this.slot(p.op);
+        p.wr.wrId = id;
+        this.sqFifo.push(id);
         batch.push(p.wr);
         room--;
       }
@@ -299,7 +310,17 @@ export class Connection {
     take(this.ctrlQ, (p) => (p.credit === 3 ? CREDIT_RESERVE : CREDIT_RESERVE + 1));
     take(this.dataQ, (p) => (p.credit === 2 ? CREDIT_RESERVE + CTRL_RESERVE + 1 : 0));
     if (batch.length === 0) return;
+    // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
+    // the send queue still drains (an unsignaled WR's slot is freed by the next signaled one).
+    for (let i = 0; i < batch.length; i++) {
+      const wr = batch[i]!;
+      if (++this.sinceSignal >= SIGNAL_EVERY || i === batch.length - 1) {
+        wr.flags = (wr.flags ?? 0) | SendFlags.SIGNALED;
+        this.sinceSignal = 0;
+      } else wr.flags = (wr.flags ?? 0) & ~SendFlags.SIGNALED;
+    }
     this.sqOutstanding += batch.length;
+    this.lastActivity = performance.now();
     try {
       this.qp.postSend(batch);
     } catch (e) {
@@ -350,7 +371,9 @@ export class Connection {
       const sgl = [{ addr: a.addr, length: HDR, lkey: a.mr.lkey }];
       if (len > 0) sgl.push(lmr.sge());
       const p = this.track<void>(op, signal);
-      this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: sgl }, op, credit: 2, hdr });
+      // Small messages go inline: the HCA takes the bytes from the WQE, no DMA read of the buffers.
+      const flags = HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0;
+      this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags, sgList: sgl }, op, credit: 2, hdr });
       return p;
     }
     // Rendezvous: lend exactly these bytes read-only; the peer READs them and answers RNDV_DONE.
@@ -613,6 +636,16 @@ export class Connection {
         this.schedulePoll();
         return;
       }
+      if (this.opts.polling === "adaptive") {
+        // Keep polling for a short, bounded time after activity (the next completion often
+        // follows closely), then fall back to completion events.
+        const now = performance.now();
+        if (budget < POLL_BUDGET) this.lastActivity = now;
+        if (this.hasWork() && now - this.lastActivity < this.opts.spinUs / 1000) {
+          this.schedulePoll();
+          return;
+        }
+      }
       // Arm, then poll once more: a completion between the last poll and the arm raises no event.
       this.cq.requestNotify();
       while ((n = this.cq.poll(this.cbuf)) > 0) for (let i = 0; i < n; i++) this.onCompletion(i);
@@ -655,6 +688,26 @@ export class Connection {
       this.onReceive(mem, b.opcode[i]!, b.byteLen[i]!, b.imm[i]!);
       return;
     }
+    // Selective signaling: the send queue completes in order, so a completion for this WR
+    // means every WR posted before it (unsignaled, silent on success) has completed too.
+    while (this.sqFifoHead < this.sqFifo.length) {
+      const sid = this.sqFifo[this.sqFifoHead++]!;
+      if (sid === id) break;
+      const prev = this.slots[sid];
+      if (!prev) continue;
+      this.slots[sid] = null;
+      this.freeSlots.push(sid);
+      this.settleSend(prev, WcStatus.SUCCESS);
+    }
+    if (this.sqFifoHead > 1024 && this.sqFifoHead * 2 > this.sqFifo.length) {
+      this.sqFifo = this.sqFifo.slice(this.sqFifoHead);
+      this.sqFifoHead = 0;
+    }
+    this.settleSend(op, status);
+    if (this.ctrlQ.length || this.dataQ.length) this.flush();
+  }
+
+  private settleSend(op: Op, status: number): void {
     this.sqOutstanding--;
     if (op.hdr) op.hdr.release();
     for (const m of op.mems) m.opDone();
@@ -674,7 +727,6 @@ export class Connection {
       if (op.then) op.then(false);
       op.reject?.(err);
     }
-    if (this.ctrlQ.length || this.dataQ.length) this.flush();
   }
 
   private failFromStatus(status: number, what: string): RdmaError {

@@ -255,6 +255,7 @@ export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDe
     maxLeaseMs: s.maxLeaseMs,
     polling: s.polling,
     spinUs: s.spinUs,
+    maxInline: qp.caps.maxInlineData,
   };
   const conn = new Connection(qp, cq, ctx.pool, opts, peer, () => holder.rdma?.releaseResources());
   conn.postInitialReceives();
