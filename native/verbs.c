@@ -753,6 +753,8 @@ static napi_value ctx_query_port(napi_env env, napi_callback_info info) {
       napi_create_object(env, &g);
       set(env, g, "index", num(env, i));
       set(env, g, "gid", str(env, s));
+      struct ibv_gid_entry ent;
+      if (ibv_query_gid_ex(c->ibv, port, (uint32_t)i, &ent, 0) == 0) set(env, g, "type", str(env, gid_type_name(ent.gid_type)));
       napi_set_element(env, gids, k++, g);
     }
   }

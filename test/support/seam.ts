@@ -39,13 +39,28 @@ export const GID_INDEX = Number(process.env.RXE_GID_INDEX ?? 1);
  * for such a rule still runs everywhere; on a listed device it asserts the
  * device's documented behaviour instead and says so.
  */
-export const DEVICE_DEVIATIONS: Record<string, string> = {
+export const DEVICE_DEVIATIONS = {
   "mw-bounds":
     "rxe (kernel 6.1) does not enforce memory-window bounds (type 1 or 2): an access past a window's end but inside its MR succeeds. Grants to peers therefore use dedicated MRs (see ../shared/softroce/README.md).",
-};
+  "rxe-lkey-status":
+    "rxe (kernel 6.1) completes a SEND/WRITE whose gather SGE names an invalid lkey with LOC_QP_OP_ERR, not LOC_PROT_ERR: rxe_requester maps finish_packet's error to LOC_PROT_ERR only for -EFAULT (an SGE outside its MR) and to LOC_QP_OP_ERR otherwise, and copy_data returns -EINVAL when the lkey lookup fails (drivers/infiniband/sw/rxe/rxe_req.c, rxe_mr.c; measured in the guest). A READ scattering into a bad lkey does give LOC_PROT_ERR.",
+  "rxe-recv-len-status":
+    "rxe (kernel 6.1) completes a SEND that does not fit the receive buffer with LOC_QP_OP_ERR at the responder and REM_OP_ERR at the requester, not LOC_LEN_ERR / REM_INV_REQ_ERR: send_data_in treats only -ENOSPC from copy_data as RESPST_ERR_LENGTH, and copy_data reports the overrun as -EINVAL, so it becomes RESPST_ERR_MALFORMED_WQE (NAK remote operational error) (drivers/infiniband/sw/rxe/rxe_resp.c, rxe_mr.c; measured in the guest).",
+  "rxe-atomic-align-at-post":
+    "rxe refuses an atomic WR whose remote address is not 8-byte aligned at post time (validate_send_wr: EINVAL from ibv_post_send, so the provider throws INVALID_ARGUMENT) instead of sending it and completing with REM_INV_REQ_ERR from the responder's NAK (drivers/infiniband/sw/rxe/rxe_verbs.c / rdma-core providers/rxe; measured in the guest). The QP stays in RTS.",
+} as const;
 
-export function deviates(rule: keyof typeof DEVICE_DEVIATIONS, dev: Device): boolean {
-  return rule === "mw-bounds" && !dev.attr.mwEnforcesBounds;
+export type DeviationRule = keyof typeof DEVICE_DEVIATIONS;
+
+/** Soft-RoCE devices: the harness names the rxe devices it created in RXE_DEVS. */
+function isRxe(dev: Device): boolean {
+  if (dev.attr.provider !== "verbs") return false;
+  return (process.env.RXE_DEVS ?? "").split(/\s+/).includes(dev.name) || /^rxe/.test(dev.name);
+}
+
+export function deviates(rule: DeviationRule, dev: Device): boolean {
+  if (rule === "mw-bounds") return !dev.attr.mwEnforcesBounds;
+  return isRxe(dev);
 }
 
 let providerP: Promise<Provider> | null = null;

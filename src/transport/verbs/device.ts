@@ -211,7 +211,10 @@ export class VerbsDevice implements Device {
     let p = this.ports.get(portNum);
     if (!p) {
       const a = this.queryPort(portNum);
-      const v2 = a.gids.find((g) => g.type === "RoCE v2" && g.gid.startsWith("::ffff:")) ?? a.gids.find((g) => g.type === "RoCE v2");
+      const v2 =
+        a.gids.find((g) => g.type === "RoCE v2" && g.gid.startsWith("::ffff:")) ??
+        a.gids.find((g) => g.type === "RoCE v2") ??
+        (a.linkLayer === "Ethernet" ? a.gids.find((g) => g.type === undefined && g.gid.startsWith("::ffff:")) : undefined);
       p = { defaultGid: (v2 ?? a.gids[0])?.index ?? 0, lid: a.lid, mtu: a.activeMtu };
       this.ports.set(portNum, p);
     }
