@@ -1179,10 +1179,12 @@ static napi_value qp_create(napi_env env, napi_callback_info info) {
   }
   qp_t *q = calloc(1, sizeof *q);
   if (q) {
-    q->swr_cap = a.cap.max_send_wr;
-    q->ssge_cap = a.cap.max_send_wr * (a.cap.max_send_sge ? a.cap.max_send_sge : 1);
-    q->rwr_cap = a.cap.max_recv_wr;
-    q->rsge_cap = a.cap.max_recv_wr * (a.cap.max_recv_sge ? a.cap.max_recv_sge : 1);
+    /* One more than the queue holds: a list that overfills the queue still goes
+     * down in one ibv_post_send, which refuses the first WR that does not fit. */
+    q->swr_cap = a.cap.max_send_wr + 1;
+    q->ssge_cap = q->swr_cap * (a.cap.max_send_sge ? a.cap.max_send_sge : 1);
+    q->rwr_cap = a.cap.max_recv_wr + 1;
+    q->rsge_cap = q->rwr_cap * (a.cap.max_recv_sge ? a.cap.max_recv_sge : 1);
     q->swr = calloc(q->swr_cap ? q->swr_cap : 1, sizeof *q->swr);
     q->ssge = calloc(q->ssge_cap ? q->ssge_cap : 1, sizeof *q->ssge);
     q->rwr = calloc(q->rwr_cap ? q->rwr_cap : 1, sizeof *q->rwr);

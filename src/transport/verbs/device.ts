@@ -537,8 +537,11 @@ export class VerbsQp implements QueuePair {
     this.handle = r[0];
     this.qpNum = r[1];
     this.caps = { maxSendWr: r[2], maxRecvWr: r[3], maxSendSge: r[4], maxRecvSge: r[5], maxInlineData: r[6] };
-    this.sendBuf = new WrBuffer(this.caps.maxSendWr, this.caps.maxSendSge, SEND_WR_BYTES);
-    this.recvBuf = new WrBuffer(this.caps.maxRecvWr, this.caps.maxRecvSge, RECV_WR_BYTES);
+    // One record more than the queue holds (as the addon allocates): a list that
+    // overfills the queue is still one ibv_post_send, which names the first WR
+    // that does not fit (ENOMEM); longer lists can never be posted whole.
+    this.sendBuf = new WrBuffer(this.caps.maxSendWr + 1, this.caps.maxSendSge, SEND_WR_BYTES);
+    this.recvBuf = new WrBuffer(this.caps.maxRecvWr + 1, this.caps.maxRecvSge, RECV_WR_BYTES);
     markAsUntransferable(this.sendBuf.buffer);
     markAsUntransferable(this.recvBuf.buffer);
     dev.qps.set(this.qpNum, new WeakRef(this));
