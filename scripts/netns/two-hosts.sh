@@ -16,9 +16,11 @@ BYTES="${1:-${BYTES:-8388608}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PEER="$ROOT/dist/test/support/seam-peer.js"
 NODE="${NODE:-$(command -v node || true)}"
-DEADLINE="${TWO_HOSTS_DEADLINE:-120}"
+DEADLINE="${TWO_HOSTS_DEADLINE:-60}" # seconds, per process
+export SEAM_PEER_STEP_MS="${SEAM_PEER_STEP_MS:-20000}" # bound of each step inside the peers
 
 skip() { echo "two-hosts: SKIP $*"; exit 77; }
+step() { echo "two-hosts: [$(date +%T.%3N)] $*" >&2; }
 fail() { echo "two-hosts: FAIL $*"; exit 1; }
 
 [ "$(id -u)" = 0 ] || skip "needs root to create network namespaces (uid $(id -u))"
@@ -38,10 +40,11 @@ IP_C="$NET.2"
 CTL_PORT=18515
 TMP="$(mktemp -d /tmp/two-hosts.XXXXXX)"
 SERVER_PID=""
+CLIENT_PID=""
 
 cleanup() {
   local rc=$?
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then kill -KILL "$SERVER_PID" 2>/dev/null || true; fi
+  for pid in $SERVER_PID $CLIENT_PID; do kill -KILL "$pid" 2>/dev/null || true; done
   ip netns pids "$NS_S" 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
   ip netns pids "$NS_C" 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
   ip netns del "$NS_S" 2>/dev/null || true # deleting a namespace deletes its end of the veth, and so the pair
@@ -53,6 +56,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+step "namespaces $NS_S ($IP_S) and $NS_C ($IP_C), veth $IF_S <-> $IF_C"
 ip netns add "$NS_S" 2>"$TMP/err" || skip "cannot create a network namespace: $(cat "$TMP/err")"
 ip netns add "$NS_C"
 ip link add "$IF_S" type veth peer name "$IF_C"
@@ -65,6 +69,12 @@ ip -n "$NS_C" link set lo up
 ip -n "$NS_S" link set "$IF_S" up
 ip -n "$NS_C" link set "$IF_C" up
 
+# Static neighbours: no ARP round trip (or lost ARP probe) on the first packets.
+MAC_S=$(ip netns exec "$NS_S" cat "/sys/class/net/$IF_S/address")
+MAC_C=$(ip netns exec "$NS_C" cat "/sys/class/net/$IF_C/address")
+ip -n "$NS_S" neigh replace "$IP_C" lladdr "$MAC_C" dev "$IF_S" nud permanent
+ip -n "$NS_C" neigh replace "$IP_S" lladdr "$MAC_S" dev "$IF_C" nud permanent
+
 rx() { ip netns exec "$1" cat "/sys/class/net/$2/statistics/rx_bytes"; }
 RX_S0=$(rx "$NS_S" "$IF_S")
 RX_C0=$(rx "$NS_C" "$IF_C")
@@ -74,21 +84,31 @@ mkfifo "$TMP/server.out"
 ip netns exec "$NS_S" timeout "$DEADLINE" "$NODE" "$PEER" serve --host "$IP_S" --bytes "$BYTES" --ctl-listen "$IP_S:$CTL_PORT" \
   >"$TMP/server.out" 2>"$TMP/server.err" &
 SERVER_PID=$!
+step "server started (pid $SERVER_PID)"
 exec 3<"$TMP/server.out"
 if ! read -r -t 30 -u 3 LISTENING; then
   fail "the server did not start within 30 s: $(cat "$TMP/server.err")"
 fi
 case "$LISTENING" in *'"listening"'*) ;; *) fail "unexpected server line: $LISTENING" ;; esac
+step "server listening: $LISTENING"
 
 T0=$(date +%s%N)
 set +e
+# In the background, so that `wait` (interruptible) keeps INT/TERM prompt.
 ip netns exec "$NS_C" timeout "$DEADLINE" "$NODE" "$PEER" client --server "$IP_S:$CTL_PORT" --host "$IP_C" --bytes "$BYTES" \
-  >"$TMP/client.out" 2>"$TMP/client.err"
+  >"$TMP/client.out" 2>"$TMP/client.err" &
+CLIENT_PID=$!
+wait "$CLIENT_PID"
 CLIENT_RC=$?
+CLIENT_PID=""
+step "client exited with $CLIENT_RC"
+# A client that failed early leaves the server waiting: do not wait for its timeout.
+if [ "$CLIENT_RC" != 0 ]; then kill -TERM "$SERVER_PID" 2>/dev/null; fi
 wait "$SERVER_PID"
 SERVER_RC=$?
 set -e
 SERVER_PID=""
+step "server exited with $SERVER_RC"
 exec 3<&-
 T1=$(date +%s%N)
 

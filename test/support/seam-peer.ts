@@ -60,6 +60,8 @@ export interface Regions {
 
 const ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ;
 export const DEFAULT_ATTR: QpConnectAttr = { timeout: 14, retryCnt: 7, rnrRetry: 7, minRnrTimer: 1 };
+/** Upper bound of every step (control replies, traffic, receives): nothing waits forever. */
+const STEP_MS = Number(process.env.SEAM_PEER_STEP_MS ?? 45_000);
 
 /** Deterministic bytes from a seed (xorshift32), so each side can be checked by sha256. */
 export function pattern(view: Uint8Array, seed: number): void {
@@ -256,7 +258,7 @@ export class PeerSide {
    * RDMA WRITE into its write region, and RDMA READ of its src into our read
    * region. At most `window` WRs outstanding. Resolves with per-status counts.
    */
-  async traffic(remote: Regions, chunk: number, window = 512): Promise<{ ok: boolean; ms: number; statuses: Record<string, number> }> {
+  async traffic(remote: Regions, chunk: number, window = 512, deadlineMs = STEP_MS): Promise<{ ok: boolean; ms: number; statuses: Record<string, number>; stuck?: string }> {
     const t0 = performance.now();
     const wrs: SendWr[] = [];
     let id = 1;
@@ -275,8 +277,16 @@ export class PeerSide {
     }
     const statuses: Record<string, number> = {};
     let next = 0;
+    let inflight = 0;
+    let stuck: string | undefined;
+    let timer: NodeJS.Timeout | undefined;
     await new Promise<void>((resolve) => {
-      let inflight = 0;
+      // Never hang: report what is still outstanding instead.
+      timer = setTimeout(() => {
+        stuck = `after ${deadlineMs} ms: ${inflight} WRs without completion, ${wrs.length - next} not posted, QP state ${this.qp.state}, receives ${this.recvDone}/${this.recvPosted}, events ${JSON.stringify(this.events)}`;
+        log(`traffic stuck ${stuck}`);
+        resolve();
+      }, deadlineMs);
       const launch = (): void => {
         while (inflight < window && next < wrs.length) {
           const wr = wrs[next++]!;
@@ -293,8 +303,11 @@ export class PeerSide {
       };
       launch();
     });
+    clearTimeout(timer);
     const total = Object.values(statuses).reduce((a, b) => a + b, 0);
-    return { ok: (statuses.SUCCESS ?? 0) === wrs.length && total === wrs.length, ms: performance.now() - t0, statuses };
+    const ms = performance.now() - t0;
+    log(`traffic: ${wrs.length} WRs in ${ms.toFixed(0)} ms ${JSON.stringify(statuses)}`);
+    return { ok: stuck === undefined && (statuses.SUCCESS ?? 0) === wrs.length && total === wrs.length, ms, statuses, ...(stuck !== undefined ? { stuck } : {}) };
   }
 
   /** Whether each landing region holds the peer's src. */
@@ -358,7 +371,14 @@ async function serve(a: Args): Promise<void> {
     const addr = server.address() as net.AddressInfo;
     // The launcher waits for this line before it starts the client.
     process.stdout.write(JSON.stringify({ type: "listening", ctl: `${addr.address}:${addr.port}` }) + "\n");
-    const sock = await new Promise<net.Socket>((resolve) => server!.once("connection", resolve));
+    const sock = await new Promise<net.Socket>((resolve, reject) => {
+      const t = setTimeout(() => reject(new Error(`no control connection within ${STEP_MS} ms`)), STEP_MS);
+      server!.once("connection", (s) => {
+        clearTimeout(t);
+        resolve(s);
+      });
+    });
+    log(`control connection from ${sock.remoteAddress}:${sock.remotePort}`);
     sock.setNoDelay(true);
     ch = new Channel(sock, sock);
   } else {
@@ -396,7 +416,7 @@ async function serve(a: Args): Promise<void> {
       case "verify": {
         const ran = running ? await running : null;
         let recvError: string | null = null;
-        await side.receivesDone(30_000).catch((e: Error) => (recvError = e.message));
+        await side.receivesDone(STEP_MS).catch((e: Error) => (recvError = e.message));
         const v = side.verify(String(m.srcSha));
         ch.send({ type: "verified", ...v, ran, recvError, recvErrors: side.recvErrors.slice(0, 10), events: side.events, srcSha: side.srcSha });
         break;
@@ -414,12 +434,17 @@ async function client(a: Args): Promise<void> {
   logPrefix = "[seam-peer client]";
   const { host, port } = splitHostPort(a.server);
   const sock = await new Promise<net.Socket>((resolve, reject) => {
-    const s = net.connect({ host, port, noDelay: true });
-    s.once("connect", () => resolve(s));
+    const s = net.connect({ host, port, noDelay: true, timeout: STEP_MS });
+    s.once("connect", () => {
+      s.setTimeout(0);
+      resolve(s);
+    });
+    s.once("timeout", () => reject(new Error(`control connect to ${host}:${port} timed out`)));
     s.once("error", reject);
   });
   const ch = new Channel(sock, sock);
-  const ready = (await ch.next("ready", 30_000))!;
+  log(`control connected to ${host}:${port}`);
+  const ready = (await ch.next("ready", STEP_MS))!;
   const bytes = Number(ready.bytes);
   if (bytes !== a.bytes) throw new Error(`server moves ${bytes} bytes, client was told ${a.bytes}`);
   const chunk = chunkFor(bytes, a.chunk);
@@ -428,14 +453,15 @@ async function client(a: Args): Promise<void> {
   side.postReceives(chunk);
   side.qp.connect(ready.endpoint as Endpoint, DEFAULT_ATTR);
   ch.send({ type: "connect", endpoint: side.qp.localEndpoint(), regions: side.regions(), chunk });
-  await ch.next("connected", 30_000);
+  await ch.next("connected", STEP_MS);
+  log("QPs connected");
   const t0 = performance.now();
   ch.send({ type: "run", chunk });
-  const [mine, theirs] = await Promise.all([side.traffic(ready.regions as Regions, chunk), ch.next("ran", 300_000)]);
+  const [mine, theirs] = await Promise.all([side.traffic(ready.regions as Regions, chunk), ch.next("ran", STEP_MS * 2)]);
   ch.send({ type: "verify", srcSha: side.srcSha });
-  const verified = (await ch.next("verified", 300_000))!;
+  const verified = (await ch.next("verified", STEP_MS * 2))!;
   let recvError: string | null = null;
-  await side.receivesDone(30_000).catch((e: Error) => (recvError = e.message));
+  await side.receivesDone(STEP_MS).catch((e: Error) => (recvError = e.message));
   const ms = performance.now() - t0;
   const v = side.verify(String(ready.srcSha));
   const ok = mine.ok && theirs!.ok === true && v.recv && v.write && v.read && verified.recv === true && verified.write === true && verified.read === true && recvError === null;
@@ -448,7 +474,7 @@ async function client(a: Args): Promise<void> {
     ms: Math.round(ms),
     mibPerSec: Math.round((moved / (1 << 20) / (ms / 1000)) * 10) / 10,
     client: { host: a.host, traffic: mine, verify: { recv: v.recv, write: v.write, read: v.read }, recvError, events: side.events },
-    server: { traffic: { ok: theirs!.ok, ms: theirs!.ms, statuses: theirs!.statuses }, verify: { recv: verified.recv, write: verified.write, read: verified.read }, recvError: verified.recvError, events: verified.events },
+    server: { traffic: { ok: theirs!.ok, ms: theirs!.ms, statuses: theirs!.statuses, stuck: theirs!.stuck }, verify: { recv: verified.recv, write: verified.write, read: verified.read }, recvError: verified.recvError, events: verified.events },
     srcSha: { client: side.srcSha, server: ready.srcSha },
   };
   process.stdout.write(JSON.stringify(summary) + "\n");
