@@ -51,6 +51,13 @@ export interface ConnectionOptions {
   spinUs: number;
   /** The QP's max inline data (0: no inline sends). */
   maxInline: number;
+  /**
+   * Idle time after which a zero-length RDMA WRITE probes the peer (0: never).
+   * A dead peer then fails the connection (RETRY_EXCEEDED) and every pending
+   * wait rejects, even when this side was only waiting to receive: verbs
+   * itself notices a dead peer only when it sends.
+   */
+  keepaliveMs: number;
 }
 
 export interface PeerParams {
@@ -221,6 +228,19 @@ export class Connection {
   start(): void {
     this.cq.requestNotify();
     this.pollNow();
+    if (this.opts.keepaliveMs > 0) {
+      this.keepalive = setInterval(() => this.probe(), this.opts.keepaliveMs);
+      this.keepalive.unref();
+    }
+  }
+
+  private keepalive: NodeJS.Timeout | null = null;
+
+  private probe(): void {
+    if (this.failure || this.closing) return;
+    if (performance.now() - this.lastActivity < this.opts.keepaliveMs || this.sqOutstanding > 0) return;
+    // A zero-length WRITE needs no rkey (IBA C9-88) and no receive at the peer: only its ACK.
+    this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.RDMA_WRITE, flags: 0, sgList: [], remoteAddr: 0, rkey: 0 }, op: this.newOp("write"), credit: 0, hdr: null });
   }
 
   // ------------------------------------------------------------------ slots
@@ -740,6 +760,7 @@ export class Connection {
   }
 
   private onReceive(mem: LocalMemory, opcode: number, byteLen: number, imm: number): void {
+    this.lastActivity = performance.now();
     if (opcode === WcOpcode.RECV_RDMA_WITH_IMM) {
       mem.release();
       this.repostRecv();
@@ -954,6 +975,7 @@ export class Connection {
   private teardown(): void {
     if (this.closed) return;
     this.closed = true;
+    if (this.keepalive) clearInterval(this.keepalive);
     if (this.drainDeadline) clearTimeout(this.drainDeadline);
     for (const t of [...this.grants.keys()]) this.endGrant(t)?.mem.release();
     for (const t of [...this.lends.keys()]) this.endLend(t, false);

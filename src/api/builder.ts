@@ -34,6 +34,7 @@ export interface ResolvedSettings {
   maxLeaseMs: number;
   connectTimeoutMs: number;
   closeTimeoutMs: number;
+  keepaliveMs: number;
 }
 
 function envProvider(): ProviderChoice {
@@ -67,6 +68,7 @@ const DEFAULTS: ResolvedSettings = {
   maxLeaseMs: 3_600_000,
   connectTimeoutMs: 10_000,
   closeTimeoutMs: 2_000,
+  keepaliveMs: 2_000,
 };
 
 function limit(name: string, v: number, max: number, what: string): void {
@@ -173,6 +175,11 @@ export class RdmaBuilder {
   }
   setMaxLease(ms: number): this {
     this.s.maxLeaseMs = checkInt("maxLease", ms, 1, 2 ** 31);
+    return this;
+  }
+  /** Idle time after which the connection probes its peer (0: never); a dead peer then fails the connection. */
+  setKeepalive(ms: number): this {
+    this.s.keepaliveMs = checkInt("keepalive", ms, 0, 2 ** 31);
     return this;
   }
   setConnectTimeout(ms: number): this {

@@ -256,6 +256,7 @@ export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDe
     polling: s.polling,
     spinUs: s.spinUs,
     maxInline: qp.caps.maxInlineData,
+    keepaliveMs: s.keepaliveMs,
   };
   const conn = new Connection(qp, cq, ctx.pool, opts, peer, () => holder.rdma?.releaseResources());
   conn.postInitialReceives();

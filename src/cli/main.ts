@@ -3,6 +3,7 @@
  * async-rdma command line: thin, parse → call the library → print.
  *   async-rdma devices [--provider tcp|verbs|auto] [--json]
  *   async-rdma lab [host]          the seed lab, server and client as two processes
+ *   async-rdma perf <test> [server] perftest's tests and columns (src/cli/perf.ts)
  */
 import { spawnSync } from "node:child_process";
 import { fileURLToPath } from "node:url";
@@ -11,7 +12,7 @@ import { RdmaError } from "../errors.js";
 import { loadProvider, type ProviderChoice } from "../transport/providers.js";
 
 function usage(): never {
-  console.error("usage: async-rdma devices [--provider tcp|verbs|auto] [--json]\n       async-rdma lab [host]");
+  console.error("usage: async-rdma devices [--provider tcp|verbs|auto] [--json]\n       async-rdma lab [host]\n       async-rdma perf <test> [server-address] [options]   (async-rdma perf --help)");
   process.exit(2);
 }
 
@@ -65,6 +66,7 @@ const [cmd, ...rest] = process.argv.slice(2);
 try {
   if (cmd === "devices") await devices(rest);
   else if (cmd === "lab") lab(rest);
+  else if (cmd === "perf") await (await import("./perf.js")).perf(rest);
   else usage();
 } catch (e) {
   if (e instanceof RdmaError) {
