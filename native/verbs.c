@@ -116,6 +116,7 @@ typedef struct {
   napi_ref on_notify; /* strong only while armed */
   napi_async_context actx;
   int armed;
+  int keep_alive; /* a JS handler is set: an armed CQ keeps the event loop alive */
   unsigned unacked;
 } cq_t;
 
@@ -1085,7 +1086,22 @@ static napi_value cq_req_notify(napi_env env, napi_callback_info info) {
     uint32_t rc;
     q->armed = 1;
     napi_reference_ref(env, q->on_notify, &rc);
-    uv_ref((uv_handle_t *)q->poll);
+    if (q->keep_alive) uv_ref((uv_handle_t *)q->poll);
+  }
+  return NULL;
+}
+
+/* keepAlive(cq, bool): whether an armed CQ keeps the event loop alive (true while a handler is set). */
+static napi_value cq_keep_alive(napi_env env, napi_callback_info info) {
+  ARGS(2);
+  cq_t *q = (cq_t *)get_obj(env, argv[0], K_CQ, 0);
+  if (!q) return NULL;
+  bool on = false;
+  napi_get_value_bool(env, argv[1], &on);
+  q->keep_alive = on;
+  if (q->poll && !q->h.destroyed) {
+    if (on && q->armed) uv_ref((uv_handle_t *)q->poll);
+    else uv_unref((uv_handle_t *)q->poll);
   }
   return NULL;
 }
@@ -1532,7 +1548,7 @@ NAPI_MODULE_INIT() {
       {"listDevices", list_devices}, {"open", ctx_open}, {"close", ctx_close}, {"queryDevice", ctx_query}, {"queryPort", ctx_query_port},
       {"queryGid", ctx_query_gid}, {"allocPd", pd_alloc}, {"deallocPd", pd_dealloc}, {"regMr", mr_reg}, {"regMrUser", mr_reg_user},
       {"deregMr", mr_dereg}, {"allocMw", mw_alloc}, {"deallocMw", mw_dealloc}, {"createCq", cq_create}, {"destroyCq", cq_destroy},
-      {"reqNotifyCq", cq_req_notify}, {"pollCq", cq_poll}, {"createQp", qp_create}, {"connectQp", qp_connect}, {"setQpError", qp_set_error},
+      {"reqNotifyCq", cq_req_notify}, {"keepAliveCq", cq_keep_alive}, {"pollCq", cq_poll}, {"createQp", qp_create}, {"connectQp", qp_connect}, {"setQpError", qp_set_error},
       {"queryQpState", qp_state}, {"destroyQp", qp_destroy}, {"postSend", qp_post_send}, {"postRecv", qp_post_recv}, {"errnoName", errno_name_js},
   };
   for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {

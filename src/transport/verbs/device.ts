@@ -430,15 +430,15 @@ export class VerbsCq implements CompletionQueue {
   readonly device: VerbsDevice;
   readonly depth: number;
   readonly handle: CqHandle;
-  onNotify: (() => void) | null = null;
   destroyed = false;
+  private handler: (() => void) | null = null;
   /** Held here: the addon keeps only a weak reference to it (strong while armed). */
   private readonly notifyHandler: () => void;
 
   constructor(device: VerbsDevice, depth: number) {
     this.device = device;
     this.notifyHandler = () => {
-      if (!this.destroyed) this.onNotify?.();
+      if (!this.destroyed) this.handler?.();
     };
     try {
       const [h, cqe] = device.addon.createCq(device.ctx, depth, this.notifyHandler);
@@ -447,6 +447,22 @@ export class VerbsCq implements CompletionQueue {
     } catch (e) {
       throw nativeError(e, "ibv_create_cq");
     }
+  }
+
+  /**
+   * While a handler is set, an armed CQ keeps the process alive (a completion
+   * is awaited, like a read on a socket); without one it does not, so a CQ
+   * left armed by the arm-then-poll pattern never holds the process open.
+   */
+  get onNotify(): (() => void) | null {
+    return this.handler;
+  }
+
+  set onNotify(fn: (() => void) | null) {
+    const had = this.handler !== null;
+    this.handler = typeof fn === "function" ? fn : null;
+    const has = this.handler !== null;
+    if (had !== has && !this.destroyed && !this.device.closed) this.device.addon.keepAliveCq(this.handle, has);
   }
 
   poll(out: CompletionBuffer, max = out.capacity): number {

@@ -106,6 +106,8 @@ export interface NativeAddon {
   createCq(ctx: ContextHandle, depth: number, onNotify: () => void): [CqHandle, number];
   destroyCq(cq: CqHandle): void;
   reqNotifyCq(cq: CqHandle): void;
+  /** Whether the CQ, while armed, keeps the event loop alive (the provider sets it while onNotify is set). */
+  keepAliveCq(cq: CqHandle, on: boolean): void;
   /** ibv_poll_cq straight into the arrays; returns the count. */
   pollCq(
     cq: CqHandle,
