@@ -107,8 +107,8 @@ export class RdmaBuilder {
     return this;
   }
   setQpCaps(c: { maxSendWr?: number; maxRecvWr?: number; maxInlineData?: number }): this {
-    if (c.maxSendWr !== undefined) this.s.maxSendWr = checkInt("maxSendWr", c.maxSendWr, 1, 1 << 20);
-    if (c.maxRecvWr !== undefined) this.s.maxRecvWr = checkInt("maxRecvWr", c.maxRecvWr, 1, 1 << 20);
+    if (c.maxSendWr !== undefined) this.s.maxSendWr = checkInt("maxSendWr", c.maxSendWr, 1, 2 ** 31);
+    if (c.maxRecvWr !== undefined) this.s.maxRecvWr = checkInt("maxRecvWr", c.maxRecvWr, 1, 2 ** 31);
     if (c.maxInlineData !== undefined) this.s.maxInlineData = checkInt("maxInlineData", c.maxInlineData, 0, 1 << 16);
     return this;
   }

@@ -57,6 +57,8 @@ export class TcpDevice implements Device {
   /** lkey/rkey → MR or MW. One key space per device, as on an HCA. */
   readonly keys = new Map<number, KeyTarget>();
   readonly qps = new Map<number, TcpQueuePair>();
+  /** Accepted streams still waiting for their HELLO. */
+  pendingHello = 0;
   private server: net.Server | null = null;
   private nextKey = randomInt(1, 0x7fff) << 8;
   private nextQpn = randomInt(0x100, 0x8000);

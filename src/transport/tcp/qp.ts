@@ -213,6 +213,18 @@ class FrameReader {
 
 /** First frame on an accepted socket must be HELLO naming the QP; then that QP's responder takes the stream. */
 export function acceptIncoming(device: TcpDevice, sock: net.Socket): void {
+  // Streams that have not said HELLO yet are bounded: a flood of silent connections cannot pile up.
+  if (device.pendingHello >= 64) {
+    sock.destroy();
+    return;
+  }
+  device.pendingHello++;
+  let counted = true;
+  const uncount = (): void => {
+    if (counted) device.pendingHello--;
+    counted = false;
+  };
+  sock.once("close", uncount);
   sock.setNoDelay(true);
   let hello: { qp: TcpQueuePair; srcQp: number; psn: number } | null = null;
   const reader = new FrameReader(
@@ -231,6 +243,7 @@ export function acceptIncoming(device: TcpDevice, sock: net.Socket): void {
     if (reader.stopped) {
       sock.off("data", onData);
       clearTimeout(t);
+      uncount();
       if (hello !== null) hello.qp.incoming(sock, hello.srcQp, hello.psn, reader.leftover);
     }
   };
@@ -1141,8 +1154,8 @@ export class TcpQueuePair implements QueuePair {
     this.rq = [];
     this.rqHead = 0;
     // The peer learns at once (its streams close) instead of after its ACK timeout.
-    this.reqSock?.end();
-    this.respSock?.end();
+    // Finish what we queued (a NAK, say), then stop reading: a peer that keeps streaming is not served.
+    for (const sock of [this.reqSock, this.respSock]) sock?.end(() => sock.destroy());
     for (const p of this.parked) p.sock.destroy();
     this.parked = [];
     if (notify) this.emit(type, reason);
