@@ -14,6 +14,10 @@
  * down everything in dependency order: windows, QPs, MRs, CQs, PDs, context.
  * Type-2 windows bound through a QP are deallocated before that QP is
  * destroyed (rxe otherwise holds the QP and process exit stalls ~50 s).
+ * Provider-allocated MR memory is reference counted on its own (mem_t: the
+ * registration, the MR's ArrayBuffer, every alias buffer): deregMr detaches
+ * the ArrayBuffer and all aliases, and the memory is freed with the last
+ * reference, so no JS view can outlive it.
  *
  * Hot path: work requests are encoded by TypeScript into a shared
  * ArrayBuffer (layout in src/transport/verbs/codec.ts, mirrored below) and
@@ -134,10 +138,26 @@ typedef struct {
   mw_t *mws; /* type-2 windows bound through this QP */
 } qp_t;
 
+typedef struct alias alias_t;
+
+/* Provider-allocated MR memory. Freed when the last reference goes: the MR
+ * registration, the MR's external ArrayBuffer, and one per alias buffer
+ * (aliasMr). So memory outlives every JS view of it, whatever the order in
+ * which the MR is deregistered, its handle collected, or its device closed. */
 typedef struct {
   void *ptr;
-  int refs; /* the MR registration + the external ArrayBuffer */
+  size_t len;        /* registered length (aliases stay inside it) */
+  int refs;
+  alias_t *aliases;  /* alias buffers not yet finalized; deregMr detaches them */
 } mem_t;
+
+/* An external ArrayBuffer over part of an MR's memory (MemoryRegion.aliasBuffer). */
+struct alias {
+  mem_t *mem;
+  state_t *st;
+  napi_ref ref; /* weak: only to detach it at deregistration */
+  alias_t *next, *prev;
+};
 
 typedef struct {
   obj_t h;
@@ -261,10 +281,8 @@ static int obj_destroy(obj_t *o, int force) {
       if (err && !force) return err;
       list_del(o);
       o->destroyed = 1;
-      if (m->mem) {
-        mem_unref(m->mem);
-        m->mem = NULL;
-      }
+      /* m->mem (the registration's reference) is kept until deregMr or obj_free,
+       * so a deregMr after the device closed still detaches every view. */
       obj_unref(&m->pd->h);
       return err;
     }
@@ -321,6 +339,7 @@ static void obj_free(obj_t *o) {
     case K_MR: {
       mr_t *m = (mr_t *)o;
       if (m->ab && live) napi_delete_reference(env, m->ab);
+      if (m->mem) mem_unref(m->mem);
       break;
     }
     case K_CQ: {
@@ -853,7 +872,7 @@ static napi_value mr_reg(napi_env env, napi_callback_info info) {
     free(ptr);
     return throw_errno(env, "ibv_reg_mr", e);
   }
-  mem_t *mem = malloc(sizeof *mem);
+  mem_t *mem = calloc(1, sizeof *mem);
   mr_t *m = mem ? mr_new(p->h.ctx, p, mr) : NULL;
   if (!m) {
     ibv_dereg_mr(mr);
@@ -862,6 +881,7 @@ static napi_value mr_reg(napi_env env, napi_callback_info info) {
     return throw_errno(env, "calloc", ENOMEM);
   }
   mem->ptr = ptr;
+  mem->len = len;
   mem->refs = 1; /* the registration */
   m->mem = mem;
   napi_value ab, h, res;
@@ -922,11 +942,14 @@ static napi_value mr_reg_user(napi_env env, napi_callback_info info) {
   return res;
 }
 
+/* deregMr(mr): ibv_dereg_mr; provider-allocated memory's ArrayBuffer and every
+ * alias buffer of it are detached (the memory itself goes with the last reference). */
 static napi_value mr_dereg(napi_env env, napi_callback_info info) {
   ARGS(1);
   mr_t *m = (mr_t *)get_obj(env, argv[0], K_MR, 0);
   if (!m) return NULL;
   int owned = m->mem != NULL;
+  mem_t *mem = m->mem;
   if (!m->h.destroyed && !m->h.ctx->h.destroyed) {
     int e = obj_destroy(&m->h, 0);
     if (e) return throw_errno(env, "ibv_dereg_mr", e);
@@ -937,7 +960,59 @@ static napi_value mr_dereg(napi_env env, napi_callback_info info) {
     napi_delete_reference(env, m->ab);
     m->ab = NULL;
   }
+  if (mem) {
+    for (alias_t *a = mem->aliases, *next; a; a = next) {
+      napi_value v = NULL;
+      next = a->next; /* detaching may finalize a (never another alias) */
+      if (a->ref && napi_get_reference_value(env, a->ref, &v) == napi_ok && v) napi_detach_arraybuffer(env, v);
+    }
+    m->mem = NULL;
+    mem_unref(mem); /* the registration's reference */
+  }
   return NULL;
+}
+
+static void alias_finalize(napi_env env, void *data, void *hint) {
+  (void)data;
+  alias_t *a = hint;
+  mem_t *m = a->mem;
+  if (a->prev) a->prev->next = a->next;
+  else if (m->aliases == a) m->aliases = a->next;
+  if (a->next) a->next->prev = a->prev;
+  if (a->ref && !a->st->tearing_down) napi_delete_reference(env, a->ref);
+  free(a);
+  mem_unref(m);
+}
+
+/* aliasMr(mr, offset, length) -> a new external ArrayBuffer over bytes
+ * [offset, offset+length) of a provider-allocated MR's memory. It holds a
+ * reference on the memory (which is freed only after the last alias is
+ * collected), is detachable on its own, and is detached when the MR is
+ * deregistered. */
+static napi_value mr_alias(napi_env env, napi_callback_info info) {
+  ARGS(3);
+  GET(mr_t, m, argv[0], K_MR);
+  mem_t *mem = m->mem;
+  if (!mem) return throw_arg(env, "only memory the provider allocated (registerMr with a length) can be aliased");
+  double off, len;
+  if (get_f64(env, argv[1], &off) || get_f64(env, argv[2], &len)) return throw_arg(env, "offset and length must be numbers");
+  if (!(off >= 0) || !(len >= 1) || off != (double)(size_t)off || len != (double)(size_t)len || off + len > (double)mem->len)
+    return throw_arg(env, "alias range outside the memory region");
+  alias_t *a = calloc(1, sizeof *a);
+  if (!a) return throw_errno(env, "calloc", ENOMEM);
+  a->mem = mem;
+  a->st = m->h.ctx->st;
+  napi_value ab;
+  if (napi_create_external_arraybuffer(env, (uint8_t *)mem->ptr + (size_t)off, (size_t)len, alias_finalize, a, &ab) != napi_ok) {
+    free(a);
+    return throw_errno(env, "napi_create_external_arraybuffer", ENOMEM);
+  }
+  mem->refs++;
+  napi_create_reference(env, ab, 0, &a->ref);
+  a->next = mem->aliases;
+  if (mem->aliases) mem->aliases->prev = a;
+  mem->aliases = a;
+  return ab;
 }
 
 /* --------------------------------------------------------------------- MW */
@@ -1547,7 +1622,7 @@ NAPI_MODULE_INIT() {
   } fns[] = {
       {"listDevices", list_devices}, {"open", ctx_open}, {"close", ctx_close}, {"queryDevice", ctx_query}, {"queryPort", ctx_query_port},
       {"queryGid", ctx_query_gid}, {"allocPd", pd_alloc}, {"deallocPd", pd_dealloc}, {"regMr", mr_reg}, {"regMrUser", mr_reg_user},
-      {"deregMr", mr_dereg}, {"allocMw", mw_alloc}, {"deallocMw", mw_dealloc}, {"createCq", cq_create}, {"destroyCq", cq_destroy},
+      {"deregMr", mr_dereg}, {"aliasMr", mr_alias}, {"allocMw", mw_alloc}, {"deallocMw", mw_dealloc}, {"createCq", cq_create}, {"destroyCq", cq_destroy},
       {"reqNotifyCq", cq_req_notify}, {"keepAliveCq", cq_keep_alive}, {"pollCq", cq_poll}, {"createQp", qp_create}, {"connectQp", qp_connect}, {"setQpError", qp_set_error},
       {"queryQpState", qp_state}, {"destroyQp", qp_destroy}, {"postSend", qp_post_send}, {"postRecv", qp_post_recv}, {"errnoName", errno_name_js},
   };

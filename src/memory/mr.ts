@@ -14,8 +14,7 @@ export class LocalMemory {
   /** Operations in flight that use this memory: freeing waits for them. */
   inflight = 0;
   disposed = false;
-  /** Lent to the peer (sendLocalMr) or granted for a remote request: not usable locally. */
-  lentTo: string | null = null;
+  private _lentTo: string | null = null;
   private freePending = false;
   private readonly onFree: (() => void) | null;
 
@@ -23,6 +22,24 @@ export class LocalMemory {
     this.pool = pool;
     this.alloc = alloc;
     this.onFree = onFree;
+  }
+
+  /**
+   * Lent to the peer (sendLocalMr) or granted for a remote request: not
+   * usable locally. On native memory, lending detaches the allocation's
+   * ArrayBuffer (every view obtained before lending goes dead) and the return
+   * gives it a fresh one.
+   */
+  get lentTo(): string | null {
+    return this._lentTo;
+  }
+
+  set lentTo(to: string | null) {
+    const was = this._lentTo;
+    this._lentTo = to;
+    if (!this.pool || this.disposed) return;
+    if (was === null && to !== null) this.pool.suspend(this.alloc);
+    else if (was !== null && to === null) this.pool.resume(this.alloc);
   }
 
   check(what: string): void {

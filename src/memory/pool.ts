@@ -13,6 +13,11 @@
  *
  * Pool memory is registered with LOCAL_WRITE only: a slab's rkey would expose
  * every allocation in it. Remote access is granted per range (see grant()).
+ *
+ * With native memory every allocation's ArrayBuffer is an alias of its own
+ * (also for allocations above the largest class, which get their own
+ * registration), so it can be detached while the memory is lent to the peer
+ * and replaced by a fresh one when it comes back (suspend/resume).
  */
 import { RdmaError, checkInt } from "../errors.js";
 import { Access, type MemoryRegion, type ProtectionDomain } from "../transport/types.js";
@@ -41,8 +46,12 @@ interface Slab {
 }
 
 interface PooledAllocation extends Allocation {
+  /** Replaced by resume() (an alias buffer); otherwise fixed. */
+  buffer: ArrayBuffer;
   slab: Slab | null;
   chunkIndex: number;
+  /** `buffer` is an alias of its own (native memory): detachable without freeing. */
+  aliased: boolean;
 }
 
 export interface PoolStats {
@@ -79,7 +88,10 @@ export class MrPool {
     if (cls !== undefined && this.slabsSupported()) return this.fromSlab(cls, size);
     const mr = this.pd.registerMr(size, Access.LOCAL_WRITE);
     this.registrations++;
-    const a: PooledAllocation = { mr, addr: mr.addr, length: size, buffer: mr.buffer, bufOffset: mr.offset, mrBufOffset: mr.offset, slab: null, chunkIndex: -1 };
+    const aliased = this.slabsSupported();
+    const buffer = aliased ? mr.aliasBuffer!(mr.offset, size) : mr.buffer;
+    const bufOffset = aliased ? 0 : mr.offset;
+    const a: PooledAllocation = { mr, addr: mr.addr, length: size, buffer, bufOffset, mrBufOffset: mr.offset, slab: null, chunkIndex: -1, aliased };
     this.live.add(a);
     this.liveBytes += size;
     return a;
@@ -91,11 +103,28 @@ export class MrPool {
     if (!this.live.delete(a)) return;
     this.liveBytes -= a.length;
     if (a.slab === null) {
-      a.mr.deregister();
+      a.mr.deregister(); // detaches its buffer and every alias of it
       return;
     }
     detachArrayBuffer(a.buffer);
     a.slab.free.push(a.chunkIndex);
+  }
+
+  /**
+   * The allocation's memory is lent to the peer: detaches its ArrayBuffer, so
+   * views obtained before lending cannot touch it (native memory only; a
+   * plain JS buffer cannot be detached without losing the memory).
+   */
+  suspend(alloc: Allocation): void {
+    const a = alloc as PooledAllocation;
+    if (a.aliased && this.live.has(a)) detachArrayBuffer(a.buffer);
+  }
+
+  /** The memory came back: a fresh ArrayBuffer over the same bytes. */
+  resume(alloc: Allocation): void {
+    const a = alloc as PooledAllocation;
+    if (!a.aliased || !this.live.has(a) || a.mr.deregistered) return;
+    a.buffer = a.mr.aliasBuffer!(a.mrBufOffset, a.length);
   }
 
   private slabsSupported(): boolean {
@@ -122,7 +151,7 @@ export class MrPool {
     const off = idx * cls;
     const buffer = slab.mr.aliasBuffer!(slab.mr.offset + off, size);
     new Uint8Array(buffer).fill(0);
-    const a: PooledAllocation = { mr: slab.mr, addr: slab.mr.addr + off, length: size, buffer, bufOffset: 0, mrBufOffset: slab.mr.offset + off, slab, chunkIndex: idx };
+    const a: PooledAllocation = { mr: slab.mr, addr: slab.mr.addr + off, length: size, buffer, bufOffset: 0, mrBufOffset: slab.mr.offset + off, slab, chunkIndex: idx, aliased: true };
     this.live.add(a);
     this.liveBytes += size;
     return a;

@@ -372,6 +372,24 @@ export class VerbsMr implements MemoryRegion {
     this._deregistered = true;
     if (dev.mrs.get(this.lkey)?.deref() === this) dev.mrs.delete(this.lkey);
   }
+
+  /**
+   * A new ArrayBuffer over bytes [offset, offset+length) of `buffer` (memory
+   * the provider allocated only). It keeps the native memory alive for as
+   * long as it exists, can be detached on its own, and is detached with every
+   * other view when the MR is deregistered.
+   */
+  aliasBuffer(offset: number, length: number): ArrayBuffer {
+    if (!this.owned) throw new RdmaError("INVALID_ARGUMENT", "aliasBuffer: only memory the provider allocated (registerMr with a length) can be aliased");
+    if (this.deregistered) throw new RdmaError("INVALID_STATE", "aliasBuffer: the memory region is deregistered");
+    checkInt("offset", offset, 0, this.length - 1);
+    checkInt("length", length, 1, this.length - offset);
+    try {
+      return this.pd.device.addon.aliasMr(this.handle, offset, length);
+    } catch (e) {
+      throw nativeError(e, "aliasBuffer");
+    }
+  }
 }
 
 export class VerbsMw implements MemoryWindow {

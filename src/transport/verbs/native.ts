@@ -97,8 +97,14 @@ export interface NativeAddon {
   regMr(pd: PdHandle, length: number, access: number): [MrHandle, ArrayBuffer, number, number, number];
   /** The caller's memory (kept alive by the MR): [handle, addr, lkey, rkey]. */
   regMrUser(pd: PdHandle, buffer: ArrayBuffer, offset: number, length: number, access: number): [MrHandle, number, number, number];
-  /** ibv_dereg_mr; provider-allocated memory's ArrayBuffer is detached. */
+  /** ibv_dereg_mr; provider-allocated memory's ArrayBuffer and all its alias buffers are detached. */
   deregMr(mr: MrHandle): void;
+  /**
+   * A new external ArrayBuffer over bytes [offset, offset+length) of a
+   * provider-allocated MR's memory, holding a reference on that memory (freed
+   * with the last reference), detachable on its own, detached by deregMr.
+   */
+  aliasMr(mr: MrHandle, offset: number, length: number): ArrayBuffer;
   /** [handle, initial rkey] */
   allocMw(pd: PdHandle, type: 1 | 2): [MwHandle, number];
   deallocMw(mw: MwHandle): void;
