@@ -1,6 +1,8 @@
 #!/usr/bin/env node
 // Builds the native verbs addon (native/verbs.c -> build/Release/async_rdma_verbs.node)
-// with node-gyp. Used as the package's "install" script: when the rdma-core
+// and, when the librdmacm headers exist, the RDMA CM addon (native/cm.c ->
+// build/Release/async_rdma_cm.node; binding.gyp skips it otherwise) with
+// node-gyp. Used as the package's "install" script: when the rdma-core
 // headers (libibverbs-dev) or a toolchain are missing, it prints one line and
 // exits 0, so installing still succeeds and the tcp provider works; the verbs
 // provider then reports PROVIDER_UNAVAILABLE with the reason.
@@ -47,4 +49,8 @@ if (r.status !== 0) {
   const line = out.split("\n").find((l) => /error|not found|No such file/i.test(l) && !/^gyp info/.test(l)) ?? `node-gyp exited with ${r.status}`;
   note(`build failed: ${line.trim().slice(0, 200)}`);
 }
-console.log("async-rdma: native verbs addon built (build/Release/async_rdma_verbs.node)");
+const cm = existsSync(join(root, "build/Release/async_rdma_cm.node"));
+console.log(
+  "async-rdma: native verbs addon built (build/Release/async_rdma_verbs.node)" +
+    (cm ? "; RDMA CM addon built (build/Release/async_rdma_cm.node)" : "; RDMA CM addon not built (no rdma/rdma_cma.h: apt-get install -y librdmacm-dev, then npm run build:native)"),
+);

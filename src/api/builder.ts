@@ -8,6 +8,7 @@ import type { PollingMode } from "../agent/connection.js";
 import { Context } from "./context.js";
 import { Rdma, dialWith, parseAddr } from "./rdma.js";
 import { RdmaListener } from "./listener.js";
+import { bindCm, dialCm, type ConnectionManager } from "./rdmacm.js";
 
 export interface ResolvedSettings {
   provider: ProviderChoice;
@@ -35,6 +36,8 @@ export interface ResolvedSettings {
   connectTimeoutMs: number;
   closeTimeoutMs: number;
   keepaliveMs: number;
+  /** How connections are established: the TCP side channel, or RDMA CM (verbs only; rdmacm.ts). */
+  cm: ConnectionManager;
 }
 
 function envProvider(): ProviderChoice {
@@ -69,6 +72,7 @@ const DEFAULTS: ResolvedSettings = {
   connectTimeoutMs: 10_000,
   closeTimeoutMs: 2_000,
   keepaliveMs: 2_000,
+  cm: "tcp",
 };
 
 function limit(name: string, v: number, max: number, what: string): void {
@@ -182,6 +186,16 @@ export class RdmaBuilder {
     this.s.keepaliveMs = checkInt("keepalive", ms, 0, 2 ** 31);
     return this;
   }
+  /**
+   * How connections are established: "tcp" (default: a TCP side channel
+   * exchanges the QP endpoints, then closes) or "rdmacm" (librdmacm: the
+   * address is the server's IP on its RDMA device; verbs provider only).
+   */
+  setConnectionManager(cm: ConnectionManager): this {
+    if (cm !== "tcp" && cm !== "rdmacm") throw new RdmaError("INVALID_ARGUMENT", `connection manager must be "tcp" or "rdmacm", got ${String(cm)}`);
+    this.s.cm = cm;
+    return this;
+  }
   setConnectTimeout(ms: number): this {
     this.s.connectTimeoutMs = checkInt("connectTimeout", ms, 1, 2 ** 31);
     return this;
@@ -218,6 +232,7 @@ export class RdmaBuilder {
   /** Connects to a server (listen or bind) at "host:port". */
   async connect(addr: string | { host: string; port: number }, opts: { signal?: AbortSignal } = {}): Promise<Rdma> {
     const a = parseAddr(addr);
+    if (this.s.cm === "rdmacm") return dialCm({ ...this.s }, (attr) => this.resolve(attr), a, opts.signal);
     const { ctx, s } = await this.context();
     return dialWith(ctx, s, a, opts.signal);
   }
@@ -225,6 +240,7 @@ export class RdmaBuilder {
   /** A listener that accepts any number of connections (`for await (const rdma of listener)`). */
   async bind(addr: string | { host: string; port: number }): Promise<RdmaListener> {
     const a = parseAddr(addr);
+    if (this.s.cm === "rdmacm") return RdmaListener.fromSource({ ...this.s }, (sink) => bindCm({ ...this.s }, (attr) => this.resolve(attr), a, sink));
     const { ctx, s } = await this.context();
     try {
       return await RdmaListener.open(ctx, s, a);

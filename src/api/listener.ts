@@ -11,6 +11,17 @@ import { LineReader, PROTOCOL_VERSION, fixupEndpoint, parseHello, sendLine } fro
 import { Rdma, connectAttr, makeConnection } from "./rdma.js";
 import type { ResolvedSettings } from "./builder.js";
 
+/** @internal Another way of establishing the listener's connections (RDMA CM: rdmacm.ts). */
+export interface ListenerSource {
+  address(): { host: string; port: number };
+  close(): Promise<void>;
+}
+/** @internal What a ListenerSource hands its connections and failed handshakes to. */
+export interface ListenerSink {
+  push(rdma: Rdma): void;
+  reject(e: RdmaError): void;
+}
+
 /**
  * @example
  * await using listener = await new RdmaBuilder().bind("0.0.0.0:5555");
@@ -22,11 +33,23 @@ export class RdmaListener implements AsyncIterable<Rdma> {
   /** Handshakes that failed (bad version, garbage): kept for diagnostics, never thrown at accept(). */
   readonly rejected: RdmaError[] = [];
 
+  private source: ListenerSource | null = null;
+
   private constructor(
     private readonly server: net.Server,
     private readonly ctx: Context,
     private readonly s: ResolvedSettings,
   ) {}
+
+  /** @internal A listener whose connections come from `open`'s source instead of the TCP side channel. */
+  static async fromSource(s: ResolvedSettings, open: (sink: ListenerSink) => Promise<ListenerSource>): Promise<RdmaListener> {
+    const l = new RdmaListener(null as unknown as net.Server, null as unknown as Context, s);
+    l.source = await open({
+      push: (rdma) => (l.closed ? void rdma.close() : l.accepted.push(rdma)),
+      reject: (e) => void (l.rejected.length < 100 && l.rejected.push(e)),
+    });
+    return l;
+  }
 
   static async open(ctx: Context, s: ResolvedSettings, addr: { host: string; port: number }): Promise<RdmaListener> {
     const server = net.createServer({ noDelay: true });
@@ -41,6 +64,7 @@ export class RdmaListener implements AsyncIterable<Rdma> {
 
   /** The bound address (useful with port 0). */
   address(): { host: string; port: number } {
+    if (this.source) return this.source.address();
     const a = this.server.address() as net.AddressInfo;
     return { host: a.address, port: a.port };
   }
@@ -125,6 +149,7 @@ export class RdmaListener implements AsyncIterable<Rdma> {
     if (this.closed) return;
     this.closed = true;
     this.accepted.fail(new RdmaError("CONNECTION_CLOSED", "the listener is closed"));
+    if (this.source) return this.source.close();
     await new Promise<void>((r) => this.server.close(() => r()));
     this.ctx.release();
   }

@@ -9,6 +9,7 @@ import { LocalMemory, LocalMr, RemoteMr } from "../memory/mr.js";
 import { Context } from "./context.js";
 import { LineReader, PROTOCOL_VERSION, fixupEndpoint, parseAddr, parseHello, sendLine } from "./handshake.js";
 import type { ResolvedSettings } from "./builder.js";
+import { dialCm } from "./rdmacm.js";
 
 export interface OpOptions {
   signal?: AbortSignal;
@@ -196,6 +197,7 @@ export class Rdma {
   async newConnection(): Promise<Rdma> {
     this.conn.checkOpen("newConnection");
     if (!this.remoteAddr) throw new RdmaError("INVALID_STATE", "newConnection() needs a client-side Rdma (from connect); on a server, accept more connections from its listener");
+    if (this.settings.cm === "rdmacm") return dialCm(this.settings, () => this.settings, this.remoteAddr, undefined, this.ctx.retain());
     return dialWith(this.ctx.retain(), this.settings, this.remoteAddr);
   }
 
@@ -218,6 +220,9 @@ export class Rdma {
     await this.close();
   }
 
+  /** @internal runs once after the resources are released (RDMA CM: disconnect and destroy the id) */
+  onReleased: (() => void) | null = null;
+
   /** @internal called by the connection after teardown */
   releaseResources(): void {
     for (const m of [...this.userMrs]) m.release();
@@ -232,6 +237,9 @@ export class Rdma {
       /* gone */
     }
     this.ctx.release();
+    const f = this.onReleased;
+    this.onReleased = null;
+    f?.();
   }
 }
 

@@ -9,15 +9,15 @@ import { spawn } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { dirname, join } from "node:path";
 import { RdmaError } from "../../src/index.js";
-import { PROVIDER, builder } from "../support/api.js";
+import { CM, PROVIDER, at, builder } from "../support/api.js";
 import { SLOW } from "../support/seam.js";
 
 const peer = join(dirname(fileURLToPath(import.meta.url)), "..", "support", "api-peer.js");
 
-describe(`API peer death [${PROVIDER}]`, () => {
+describe(`API peer death [${PROVIDER}, ${CM}]`, () => {
   it("kill -9 of the peer rejects pending receives with a typed error, in bounded time", async () => {
-    const listener = await builder("server").setKeepalive(100).setAckTimeout(12).setRetryCount(3).bind("127.0.0.1:0");
-    const child = spawn(process.execPath, [peer, `127.0.0.1:${listener.port}`], { stdio: ["ignore", "pipe", "inherit"] });
+    const listener = await builder("server").setKeepalive(100).setAckTimeout(12).setRetryCount(3).bind(at(0));
+    const child = spawn(process.execPath, [peer, at(listener.port)], { stdio: ["ignore", "pipe", "inherit"] });
     try {
       await new Promise<void>((resolve, reject) => {
         child.stdout.on("data", (d: Buffer) => d.toString().includes("connected") && resolve());

@@ -5,6 +5,7 @@
 import { RdmaBuilder } from "../../src/index.js";
 
 const b = new RdmaBuilder();
+if (process.env.ASYNC_RDMA_CM === "rdmacm") b.setConnectionManager("rdmacm");
 if (process.env.ASYNC_RDMA_PROVIDER === "verbs") {
   const devs = (process.env.RXE_DEVS ?? "").split(/\s+/).filter(Boolean);
   const d = devs[1] ?? devs[0];

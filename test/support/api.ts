@@ -6,8 +6,26 @@ import { PROVIDER, deviceNames } from "./seam.js";
 
 export { PROVIDER };
 
+/**
+ * The connection manager under test: ASYNC_RDMA_CM=rdmacm runs the API tests
+ * over RDMA CM (verbs only), else the TCP side channel.
+ */
+export const CM: "tcp" | "rdmacm" = process.env.ASYNC_RDMA_CM === "rdmacm" ? "rdmacm" : "tcp";
+
+/**
+ * The address servers bind and clients dial: 127.0.0.1 for the side channel;
+ * over RDMA CM the first rxe device's IP (RXE_IPS), since RDMA CM does not
+ * work over `lo` on rxe.
+ */
+export const HOST: string = CM === "rdmacm" ? ((process.env.RXE_IPS ?? "").split(/\s+/).filter(Boolean)[0] ?? "10.77.0.1") : "127.0.0.1";
+
+/** "HOST:port" */
+export function at(port: number): string {
+  return `${HOST}:${port}`;
+}
+
 export function builder(side: "server" | "client" = "client"): RdmaBuilder {
-  const b = new RdmaBuilder().setProvider(PROVIDER);
+  const b = new RdmaBuilder().setProvider(PROVIDER).setConnectionManager(CM);
   const [a, c] = deviceNames();
   const dev = side === "server" ? a : c;
   if (PROVIDER === "verbs" && dev) b.setDevice(dev);
@@ -23,8 +41,8 @@ export interface ApiPair {
 export async function apiPair(configure: { server?: (b: RdmaBuilder) => RdmaBuilder; client?: (b: RdmaBuilder) => RdmaBuilder } = {}): Promise<ApiPair> {
   const sb = (configure.server ?? ((b) => b))(builder("server"));
   const cb = (configure.client ?? ((b) => b))(builder("client"));
-  const listener = await sb.bind("127.0.0.1:0");
-  const [client, server] = await Promise.all([cb.connect(`127.0.0.1:${listener.port}`), listener.accept()]);
+  const listener = await sb.bind(at(0));
+  const [client, server] = await Promise.all([cb.connect(at(listener.port)), listener.accept()]);
   await listener.close();
   return {
     server,

@@ -226,3 +226,129 @@ export function loadAddon(): LoadResult {
   }
   return cached;
 }
+
+// ------------------------------------------------------------------ RDMA CM
+// The librdmacm addon (native/cm.c -> build/Release/async_rdma_cm.node), built
+// next to the verbs addon when the librdmacm headers exist. Typed here; cm.ts
+// wraps it.
+
+export type CmIdHandle = Handle<"cm_id">;
+
+/** rdma_conn_param as delivered with CONNECT_REQUEST / CONNECT_RESPONSE / ESTABLISHED. */
+export interface NativeCmConnParam {
+  qpNum: number;
+  responderResources: number;
+  initiatorDepth: number;
+  retryCount: number;
+  rnrRetryCount: number;
+  srq: number;
+}
+
+/** What rdma_init_qp_attr gives for one state (fields outside `mask` are 0). */
+export interface NativeCmQpAttr {
+  mask: number;
+  portNum: number;
+  qpAccessFlags: number;
+  pkeyIndex: number;
+  /** bytes (0: not given) */
+  pathMtu: number;
+  destQpNum: number;
+  rqPsn: number;
+  sqPsn: number;
+  maxDestRdAtomic: number;
+  maxRdAtomic: number;
+  minRnrTimer: number;
+  timeout: number;
+  retryCnt: number;
+  rnrRetry: number;
+  isGlobal: number;
+  dlid: number;
+  sl: number;
+  /** ipv6 text form */
+  dgid: string;
+  sgidIndex: number;
+  hopLimit: number;
+  trafficClass: number;
+}
+
+export interface NativeCmInfo {
+  /** The RDMA device the id is bound/resolved to (null before that). */
+  deviceName: string | null;
+  deviceGuid: string | null;
+  portNum: number;
+  localAddr: string;
+  localPort: number;
+  peerAddr: string;
+  peerPort: number;
+}
+
+export type NativeCmEventHandler = (
+  token: number,
+  type: number,
+  status: number,
+  privateData: ArrayBuffer | null,
+  conn: NativeCmConnParam | null,
+  child: [CmIdHandle, number] | null,
+) => void;
+
+export interface NativeCmAddon {
+  /** The one handler of the environment's event channel; events carry the id's token. */
+  init(onEvent: NativeCmEventHandler): void;
+  /** rdma_create_id(RDMA_PS_TCP) on the environment's channel: [handle, token]. */
+  createId(): [CmIdHandle, number];
+  bindAddr(id: CmIdHandle, host: string | null, port: number): void;
+  listen(id: CmIdHandle, backlog: number): void;
+  resolveAddr(id: CmIdHandle, srcHost: string | null, dstHost: string, dstPort: number, timeoutMs: number): void;
+  resolveRoute(id: CmIdHandle, timeoutMs: number): void;
+  /** Private data ≤ 56 bytes. */
+  connect(id: CmIdHandle, qpNum: number, privateData: Uint8Array | null, responderResources: number, initiatorDepth: number, retryCount: number, rnrRetryCount: number): void;
+  /** Private data ≤ 196 bytes. */
+  accept(id: CmIdHandle, qpNum: number, privateData: Uint8Array | null, responderResources: number, initiatorDepth: number, retryCount: number, rnrRetryCount: number): void;
+  /** rdma_establish: the active side, QP in RTS, after CONNECT_RESPONSE. */
+  establish(id: CmIdHandle): void;
+  /** Private data ≤ 148 bytes. */
+  reject(id: CmIdHandle, privateData: Uint8Array | null): void;
+  /** 0 or an errno (not thrown: disconnecting an unconnected id is harmless). */
+  disconnect(id: CmIdHandle): number;
+  /** Idempotent. */
+  destroyId(id: CmIdHandle): void;
+  info(id: CmIdHandle): NativeCmInfo;
+  /** rdma_init_qp_attr for INIT (1), RTR (2) or RTS (3). */
+  initQpAttr(id: CmIdHandle, state: 1 | 2 | 3): NativeCmQpAttr;
+  /** Whether the event channel keeps the event loop alive. */
+  keepAlive(on: boolean): void;
+  eventName(type: number): string;
+  errnoName(errno: number): string;
+}
+
+export const CM_ADDON_FILE = "async_rdma_cm.node";
+
+let cmCached: { ok: true; addon: NativeCmAddon } | { ok: false; reason: string } | null = null;
+
+/** Loads the RDMA CM addon from where the verbs addon is ($ASYNC_RDMA_NATIVE_CM overrides). */
+export function loadCmAddon(): { ok: true; addon: NativeCmAddon } | { ok: false; reason: string } {
+  if (cmCached) return cmCached;
+  const req = createRequire(import.meta.url);
+  const override = process.env.ASYNC_RDMA_NATIVE_CM;
+  const tried = [...(override ? [override] : []), ...addonCandidates().map((p) => join(dirname(p), CM_ADDON_FILE))];
+  const path = tried.find((p) => existsSync(p));
+  if (path === undefined) {
+    cmCached = {
+      ok: false,
+      reason: `the RDMA CM addon is not built (looked for ${tried.join(", ") || CM_ADDON_FILE}). Fix: apt-get install -y librdmacm-dev, then \`npm run build:native\``,
+    };
+    return cmCached;
+  }
+  try {
+    cmCached = { ok: true, addon: req(path) as NativeCmAddon };
+  } catch (e) {
+    const msg = (e as Error).message.split("\n")[0] ?? "";
+    cmCached = {
+      ok: false,
+      reason: /librdmacm[^:]*: cannot open shared object/.test(msg)
+        ? `librdmacm is missing (${msg}). Fix: apt-get install -y librdmacm1 rdma-core`
+        : `the RDMA CM addon ${path} failed to load: ${msg}. Fix: rebuild it with \`npm run build:native\``,
+    };
+  }
+  return cmCached;
+}
