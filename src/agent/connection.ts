@@ -51,6 +51,8 @@ export interface ConnectionOptions {
   spinUs: number;
   /** The QP's max inline data (0: no inline sends). */
   maxInline: number;
+  /** Largest two-sided message accepted from the peer (rendezvous allocates this much). */
+  maxMessageSize: number;
   /**
    * Idle time after which a zero-length RDMA WRITE probes the peer (0: never).
    * A dead peer then fails the connection (RETRY_EXCEEDED) and every pending
@@ -63,6 +65,8 @@ export interface ConnectionOptions {
 export interface PeerParams {
   recvDepth: number;
   eagerMax: number;
+  /** When the handshake told us; otherwise the sender does not check and the peer refuses. */
+  maxMessageSize?: number;
 }
 
 const CREDIT_RESERVE = 1;
@@ -214,6 +218,7 @@ export class Connection {
   setPeer(p: PeerParams): void {
     this.peer.recvDepth = p.recvDepth;
     this.peer.eagerMax = p.eagerMax;
+    if (p.maxMessageSize !== undefined) this.peer.maxMessageSize = p.maxMessageSize;
     this.credits = p.recvDepth;
   }
 
@@ -380,6 +385,7 @@ export class Connection {
     this.checkOpen("send");
     lmr.mem.check("send");
     const len = lmr.length;
+    if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
     if (len <= this.peer.eagerMax) {
       const op = this.newOp("msg");
       const hdr = new LocalMemory(this.pool, this.pool.alloc(CTRL_BUF));
@@ -799,7 +805,12 @@ export class Connection {
       }
       case MsgType.RNDV:
         mem.release();
-        this.repostRecv();
+        if (m.a > this.opts.maxMessageSize) {
+          return this.protocolError(`rendezvous message of ${m.a} bytes exceeds this side's maxMessageSize (${this.opts.maxMessageSize})`);
+        }
+        // An unread rendezvous message holds memory like an unread eager one: same throttle.
+        if (this.heldRecvs < this.maxHeld()) this.repostRecv();
+        else this.pendingReposts++;
         return this.onRendezvous(m);
       default:
         mem.release();

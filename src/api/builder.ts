@@ -36,6 +36,7 @@ export interface ResolvedSettings {
   connectTimeoutMs: number;
   closeTimeoutMs: number;
   keepaliveMs: number;
+  maxMessageSize: number;
   /** How connections are established: the TCP side channel, or RDMA CM (verbs only; rdmacm.ts). */
   cm: ConnectionManager;
 }
@@ -72,6 +73,7 @@ const DEFAULTS: ResolvedSettings = {
   connectTimeoutMs: 10_000,
   closeTimeoutMs: 2_000,
   keepaliveMs: 2_000,
+  maxMessageSize: 1 << 30,
   cm: "tcp",
 };
 
@@ -179,6 +181,11 @@ export class RdmaBuilder {
   }
   setMaxLease(ms: number): this {
     this.s.maxLeaseMs = checkInt("maxLease", ms, 1, 2 ** 31);
+    return this;
+  }
+  /** Largest two-sided message accepted from the peer (a rendezvous allocates that much); default 1 GiB. */
+  setMaxMessageSize(bytes: number): this {
+    this.s.maxMessageSize = checkInt("maxMessageSize", bytes, 1, 2 ** 31);
     return this;
   }
   /** Idle time after which the connection probes its peer (0: never); a dead peer then fails the connection. */

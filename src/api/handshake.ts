@@ -20,6 +20,8 @@ export interface Hello {
   endpoint: Endpoint;
   recvDepth: number;
   eagerMax: number;
+  /** Largest message the side accepts (absent from older peers). */
+  maxMessageSize?: number;
 }
 
 /** Reads JSON lines from a socket, one at a time, with a deadline. */
@@ -118,6 +120,7 @@ export function parseHello(v: Record<string, unknown>, expectProvider: ProviderN
     endpoint,
     recvDepth: int(v.recvDepth, "recvDepth", 8, 65536),
     eagerMax: int(v.eagerMax, "eagerMax", 0, 1 << 20),
+    ...(v.maxMessageSize === undefined ? {} : { maxMessageSize: int(v.maxMessageSize, "maxMessageSize", 1, 2 ** 31) }),
   };
 }
 

@@ -89,7 +89,7 @@ export class RdmaListener implements AsyncIterable<Rdma> {
       }
       this.ctx.retain();
       try {
-        conn = makeConnection(this.ctx, this.s, { recvDepth: hello.recvDepth, eagerMax: hello.eagerMax }, holder);
+        conn = makeConnection(this.ctx, this.s, { recvDepth: hello.recvDepth, eagerMax: hello.eagerMax, ...(hello.maxMessageSize === undefined ? {} : { maxMessageSize: hello.maxMessageSize }) }, holder);
       } catch (e) {
         this.ctx.release();
         throw e;
@@ -101,6 +101,7 @@ export class RdmaListener implements AsyncIterable<Rdma> {
         endpoint: conn.qp.localEndpoint({ portNum: this.s.port, gidIndex: this.s.gidIndex }),
         recvDepth: this.s.recvDepth,
         eagerMax: this.s.eagerMax,
+        maxMessageSize: this.s.maxMessageSize,
       });
       const ready = await reader.nextJson();
       if (ready.ready !== true) throw new RdmaError("PROTOCOL", "the client did not confirm the connection");

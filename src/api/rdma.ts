@@ -265,6 +265,7 @@ export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDe
     spinUs: s.spinUs,
     maxInline: qp.caps.maxInlineData,
     keepaliveMs: s.keepaliveMs,
+    maxMessageSize: s.maxMessageSize,
   };
   const conn = new Connection(qp, cq, ctx.pool, opts, peer, () => holder.rdma?.releaseResources());
   conn.postInitialReceives();
@@ -301,9 +302,9 @@ export async function dialWith(ctx: Context, s: ResolvedSettings, addr: { host: 
     });
     const reader = new LineReader(sock);
     conn = makeConnection(ctx, s, { recvDepth: 0, eagerMax: 0 }, holder);
-    sendLine(sock, { asyncRdma: PROTOCOL_VERSION, provider: ctx.provider.name, endpoint: conn.qp.localEndpoint({ portNum: s.port, gidIndex: s.gidIndex }), recvDepth: s.recvDepth, eagerMax: s.eagerMax });
+    sendLine(sock, { asyncRdma: PROTOCOL_VERSION, provider: ctx.provider.name, endpoint: conn.qp.localEndpoint({ portNum: s.port, gidIndex: s.gidIndex }), recvDepth: s.recvDepth, eagerMax: s.eagerMax, maxMessageSize: s.maxMessageSize });
     const reply = parseHello(await reader.nextJson().catch(rethrowTimeout(s, addr)), ctx.provider.name);
-    conn.setPeer({ recvDepth: reply.recvDepth, eagerMax: reply.eagerMax });
+    conn.setPeer({ recvDepth: reply.recvDepth, eagerMax: reply.eagerMax, ...(reply.maxMessageSize === undefined ? {} : { maxMessageSize: reply.maxMessageSize }) });
     conn.qp.connect(fixupEndpoint(reply.endpoint, sock), connectAttr(s));
     sendLine(sock, { ready: true });
     sock.end();
