@@ -1015,6 +1015,23 @@ static napi_value mr_alias(napi_env env, napi_callback_info info) {
   return ab;
 }
 
+/* detachBuffer(ab): napi_detach_arraybuffer of an external ArrayBuffer (an MR's
+ * buffer or an alias). Node ignores external buffers in a structuredClone
+ * transfer list, so this is the only way to detach them. */
+static napi_value buffer_detach(napi_env env, napi_callback_info info) {
+  ARGS(1);
+  bool is_ab = false;
+  napi_is_arraybuffer(env, argv[0], &is_ab);
+  if (!is_ab) return throw_arg(env, "expected an ArrayBuffer");
+  if (napi_detach_arraybuffer(env, argv[0]) != napi_ok) {
+    bool pending = false;
+    napi_is_exception_pending(env, &pending);
+    if (!pending) throw_arg(env, "this ArrayBuffer cannot be detached (not external memory)");
+    return NULL;
+  }
+  return NULL;
+}
+
 /* --------------------------------------------------------------------- MW */
 static napi_value mw_alloc(napi_env env, napi_callback_info info) {
   ARGS(2);
@@ -1622,7 +1639,7 @@ NAPI_MODULE_INIT() {
   } fns[] = {
       {"listDevices", list_devices}, {"open", ctx_open}, {"close", ctx_close}, {"queryDevice", ctx_query}, {"queryPort", ctx_query_port},
       {"queryGid", ctx_query_gid}, {"allocPd", pd_alloc}, {"deallocPd", pd_dealloc}, {"regMr", mr_reg}, {"regMrUser", mr_reg_user},
-      {"deregMr", mr_dereg}, {"aliasMr", mr_alias}, {"allocMw", mw_alloc}, {"deallocMw", mw_dealloc}, {"createCq", cq_create}, {"destroyCq", cq_destroy},
+      {"deregMr", mr_dereg}, {"aliasMr", mr_alias}, {"detachBuffer", buffer_detach}, {"allocMw", mw_alloc}, {"deallocMw", mw_dealloc}, {"createCq", cq_create}, {"destroyCq", cq_destroy},
       {"reqNotifyCq", cq_req_notify}, {"keepAliveCq", cq_keep_alive}, {"pollCq", cq_poll}, {"createQp", qp_create}, {"connectQp", qp_connect}, {"setQpError", qp_set_error},
       {"queryQpState", qp_state}, {"destroyQp", qp_destroy}, {"postSend", qp_post_send}, {"postRecv", qp_post_recv}, {"errnoName", errno_name_js},
   };

@@ -29,7 +29,7 @@ import {
   type SendWr,
   type Sge,
 } from "../types.js";
-import { isDetached } from "../buffers.js";
+import { isDetached, setDetacher } from "../buffers.js";
 import { RECV_WR_BYTES, SEND_WR_BYTES, WrBuffer } from "./codec.js";
 import {
   POST_BAD_BUFFER,
@@ -282,6 +282,7 @@ export class VerbsPd implements ProtectionDomain {
       if (typeof memory === "number") {
         checkInt("length", memory, 1, maxLen);
         const [h, ab, a, lkey, rkey] = addon.regMr(this.handle, memory, access);
+        setDetacher(ab, addon.detachBuffer);
         return new VerbsMr(this, h, ab, 0, a, memory, lkey, rkey, access, true);
       }
       if (!(memory instanceof ArrayBuffer)) throw new RdmaError("INVALID_ARGUMENT", "registerMr takes a length or an ArrayBuffer");
@@ -384,11 +385,15 @@ export class VerbsMr implements MemoryRegion {
     if (this.deregistered) throw new RdmaError("INVALID_STATE", "aliasBuffer: the memory region is deregistered");
     checkInt("offset", offset, 0, this.length - 1);
     checkInt("length", length, 1, this.length - offset);
+    const addon = this.pd.device.addon;
+    let ab: ArrayBuffer;
     try {
-      return this.pd.device.addon.aliasMr(this.handle, offset, length);
+      ab = addon.aliasMr(this.handle, offset, length);
     } catch (e) {
       throw nativeError(e, "aliasBuffer");
     }
+    setDetacher(ab, addon.detachBuffer);
+    return ab;
   }
 }
 
@@ -483,8 +488,10 @@ export class VerbsCq implements CompletionQueue {
     if (had !== has && !this.destroyed && !this.device.closed) this.device.addon.keepAliveCq(this.handle, has);
   }
 
-  poll(out: CompletionBuffer, max = out.capacity): number {
+  poll(out: CompletionBuffer, max?: number): number {
     if (this.destroyed || this.device.closed) throw new RdmaError("INVALID_STATE", "completion queue is destroyed");
+    if (!out || typeof out !== "object" || typeof out.capacity !== "number" || !(out.wrId instanceof Float64Array)) throw new RdmaError("INVALID_ARGUMENT", "poll needs a CompletionBuffer");
+    max ??= out.capacity;
     if (typeof max !== "number" || !(max >= 0)) throw new RdmaError("INVALID_ARGUMENT", `max must be a non-negative number, got ${String(max)}`);
     let n: number;
     try {
@@ -730,7 +737,9 @@ export class VerbsQp implements QueuePair {
     for (let j = 0; j < list.length; j++) {
       const s = list[j];
       if (!s || typeof s !== "object") throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: bad scatter/gather element`);
-      buf.sge(at + j, addr("sge.addr", s.addr, i), u32("sge.length", s.length, i), u32("sge.lkey", s.lkey, i));
+      const len = s.length;
+      if (typeof len !== "number" || !Number.isInteger(len) || len < 0 || len > 0xffffffff) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: sge.length must be a 32-bit unsigned integer, got ${String(len)}`);
+      buf.sge(at + j, addr("sge.addr", s.addr, i), len, u32("sge.lkey", s.lkey, i));
     }
     return list.length;
   }

@@ -105,6 +105,8 @@ export interface NativeAddon {
    * with the last reference), detachable on its own, detached by deregMr.
    */
   aliasMr(mr: MrHandle, offset: number, length: number): ArrayBuffer;
+  /** napi_detach_arraybuffer of an external ArrayBuffer (structuredClone cannot detach those). */
+  detachBuffer(ab: ArrayBuffer): void;
   /** [handle, initial rkey] */
   allocMw(pd: PdHandle, type: 1 | 2): [MwHandle, number];
   deallocMw(mw: MwHandle): void;
