@@ -82,7 +82,8 @@ struct obj {
   enum kind kind;
   int refs;
   int destroyed;
-  ctx_t *ctx;
+  ctx_t *ctx;   /* valid only while the object is not destroyed (a destroyed object no longer holds its context) */
+  state_t *st;  /* the addon's per-environment state: lives as long as the process */
   obj_t *prev, *next; /* in ctx->lists[kind] while not destroyed */
 };
 
@@ -179,6 +180,7 @@ static void obj_unref(obj_t *o);
 
 static void list_add(obj_t *o) {
   obj_t **head = &o->ctx->lists[o->kind];
+  o->st = o->ctx->st;
   o->prev = NULL;
   o->next = *head;
   if (*head) (*head)->prev = o;
@@ -332,7 +334,9 @@ static int obj_destroy(obj_t *o, int force) {
 }
 
 static void obj_free(obj_t *o) {
-  state_t *st = o->ctx->st;
+  /* Not o->ctx->st: the context may be freed already (found by ASan: an MR
+   * handle finalized after its device's handle, the device closed before). */
+  state_t *st = o->st;
   napi_env env = st->env;
   int live = !st->tearing_down;
   switch (o->kind) {
@@ -620,6 +624,7 @@ static napi_value ctx_open(napi_env env, napi_callback_info info) {
   c->h.kind = K_CTX;
   c->h.refs = 1;
   c->h.ctx = c;
+  c->h.st = st;
   c->st = st;
   c->ibv = ibv;
   c->snext = st->ctxs;
