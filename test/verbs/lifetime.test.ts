@@ -4,9 +4,6 @@
  * INVALID_STATE) and never a crash; objects dropped without release are
  * reclaimed by GC (child process with --expose-gc); garbage arguments to
  * every entry point give an RdmaError.
- *
- * Known tcp-provider deviations are marked `todo` on tcp with the bug named
- * (src/transport/tcp is owned elsewhere).
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
@@ -18,8 +15,6 @@ import { isDetached } from "../../src/transport/buffers.js";
 import { DEADLINE_MS, PROVIDER, SLOW, deviceNames, endpointFor, makeSide, mr, openDevice, openPair, provider, sge, waitCompletions, type Pair } from "../support/seam.js";
 
 const TCP = PROVIDER === "tcp";
-/** A test that the tcp provider fails today (bug reported to its owner): todo there, required elsewhere. */
-const tcpTodo = (bug: string) => (TCP ? { todo: `tcp provider bug: ${bug}` } : {});
 
 function typed(fn: () => unknown, codes?: readonly string[], what = "call"): RdmaError {
   let err: unknown;
@@ -160,7 +155,6 @@ describe(`lifetimes: release in the wrong order [${PROVIDER}]`, () => {
 
   it(
     "use a destroyed QP: every call is INVALID_STATE",
-    tcpTodo("a destroyed TcpQueuePair behaves like a QP in ERR: postSend/postRecv are accepted (and flushed), localEndpoint() and setError() return normally; verbs: INVALID_STATE for each"),
     () =>
     withPair(async (p) => {
       const m = mr(p.a, 64);
@@ -174,7 +168,7 @@ describe(`lifetimes: release in the wrong order [${PROVIDER}]`, () => {
       typed(() => p.a.qp.localEndpoint(), BUSY, "localEndpoint");
     }));
 
-  it("use a destroyed CQ: poll and requestNotify are INVALID_STATE; a QP cannot be created on it", tcpTodo("TcpCq.poll()/requestNotify() after destroy() return normally, and createQp accepts a destroyed CQ (verbs: INVALID_STATE)"), () =>
+  it("use a destroyed CQ: poll and requestNotify are INVALID_STATE; a QP cannot be created on it", () =>
     withDevice((dev) => {
       const pd = dev.allocPd();
       const cq = dev.createCq(16);
@@ -211,8 +205,7 @@ describe(`lifetimes: release in the wrong order [${PROVIDER}]`, () => {
       typed(() => devA.allocPd(), BUSY, "allocPd after close");
       typed(() => devA.createCq(4), BUSY, "createCq after close");
       typed(() => a.pd.registerMr(64, Access.LOCAL_WRITE), BUSY, "registerMr after close");
-      // tcp accepts posts on a destroyed QP (see "use a destroyed QP", todo there): no crash is all we ask here.
-      const postCheck = TCP ? (fn: () => unknown, what: string) => noCrash(fn, what) : (fn: () => unknown, what: string) => typed(fn, BUSY, what);
+      const postCheck = (fn: () => unknown, what: string) => typed(fn, BUSY, what);
       postCheck(() => a.qp.postSend([{ wrId: 3, opcode: WrOpcode.SEND, sgList: [sge(ma, 0, 8)] }]), "postSend after close");
       postCheck(() => a.qp.postRecv([{ wrId: 3, sgList: [sge(ma, 0, 8)] }]), "postRecv after close");
       noCrash(() => a.cq.poll(a.buf), "poll after close");
@@ -239,7 +232,7 @@ describe(`lifetimes: release in the wrong order [${PROVIDER}]`, () => {
       await withPair(pingPong);
     })());
 
-  it("close the device before releasing anything on it, in the worst order (PD first)", tcpTodo("TcpPd.dealloc() after the device was closed throws EBUSY for its MRs (verbs: closing the device released everything, so it is a no-op)"), () =>
+  it("close the device before releasing anything on it, in the worst order (PD first)", () =>
     withDevice((dev) => {
       const s = makeSide(dev);
       const m = mr(s, 64);
@@ -288,7 +281,6 @@ describe(`lifetimes: GC churn [${PROVIDER}]`, () => {
 
   it(
     "... and exits by itself with connected QPs and devices dropped unreleased",
-    tcpTodo("connected TcpQueuePairs that are dropped without destroy()/device close keep their TCP sockets referenced, so the process never exits (verbs: an idle QP does not hold the event loop)"),
     async () => {
       const r = await start();
       await r.okLine;
@@ -393,7 +385,7 @@ describe(`garbage arguments: typed RdmaError, never a crash [${PROVIDER}]`, () =
       pd.dealloc();
     }));
 
-  it("cq.poll", tcpTodo("TcpCq.poll(garbage) throws TypeError instead of an RdmaError"), () =>
+  it("cq.poll", () =>
     withDevice((dev) => {
       const cq = dev.createCq(16);
       for (const j of [undefined, null, 42, {}, { capacity: 4 }, new Float64Array(4)]) typed(() => cq.poll(j as CompletionBuffer), undefined, `poll(${String(j)})`);
@@ -401,7 +393,7 @@ describe(`garbage arguments: typed RdmaError, never a crash [${PROVIDER}]`, () =
       cq.destroy();
     }));
 
-  it("qp.localEndpoint", tcpTodo("TcpQueuePair.localEndpoint(attr) ignores its argument: portNum 0/99 and gidIndex -1/\"1\" are accepted"), () =>
+  it("qp.localEndpoint", () =>
     withPair(async (p) => {
       for (const j of [{ portNum: 0 }, { portNum: 99 }, { gidIndex: -1 }, { gidIndex: "1" }]) typed(() => p.a.qp.localEndpoint(j as never), undefined, `localEndpoint(${JSON.stringify(j)})`);
     }));
@@ -447,8 +439,7 @@ describe(`garbage arguments: typed RdmaError, never a crash [${PROVIDER}]`, () =
     }));
 
   it(
-    "qp.postSend: out-of-range fields the tcp provider accepts",
-    tcpTodo("TcpQueuePair.postSend accepts flags outside SendFlags (256), a negative sge.addr, imm -2^40, RDMA_WRITE without remoteAddr/rkey, a string rkey, a BIND_MW whose mw is not a window, and a string invalidateRkey (verbs: INVALID_ARGUMENT at post)"),
+    "qp.postSend: out-of-range fields are refused at post",
     () =>
       withPair(async (p) => {
         const m = mr(p.a, 64);

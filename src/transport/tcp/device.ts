@@ -57,6 +57,7 @@ export class TcpDevice implements Device {
   /** lkey/rkey → MR or MW. One key space per device, as on an HCA. */
   readonly keys = new Map<number, KeyTarget>();
   readonly qps = new Map<number, TcpQueuePair>();
+  readonly cqs = new Set<TcpCq>();
   /** Accepted streams still waiting for their HELLO. */
   pendingHello = 0;
   private server: net.Server | null = null;
@@ -106,7 +107,9 @@ export class TcpDevice implements Device {
   createCq(depth: number): CompletionQueue {
     this.checkOpen();
     checkInt("cq depth", depth, 1, this.attr.maxCqe);
-    return new TcpCq(this, depth);
+    const cq = new TcpCq(this, depth);
+    this.cqs.add(cq);
+    return cq;
   }
 
   allocKey(): number {
@@ -136,6 +139,8 @@ export class TcpDevice implements Device {
     if (this.closed) return;
     this.closed = true;
     for (const qp of [...this.qps.values()]) qp.destroy();
+    for (const cq of this.cqs) cq.destroy();
+    this.cqs.clear();
     this.server?.close();
     this.server = null;
   }
@@ -210,6 +215,11 @@ export class TcpPd implements ProtectionDomain {
 
   dealloc(): void {
     if (this.deallocated) return;
+    // Closing the device released everything on it (as ibv_close_device does): nothing left to refuse.
+    if (this.device.closed) {
+      this.deallocated = true;
+      return;
+    }
     if (this.mrs || this.qps || this.mws) {
       throw new RdmaError("INVALID_STATE", `protection domain still has ${this.mrs} MRs, ${this.mws} MWs and ${this.qps} QPs (verbs refuses with EBUSY)`, { errno: "EBUSY" });
     }
@@ -351,7 +361,27 @@ export class TcpMw implements MemoryWindow {
 export class TcpCq implements CompletionQueue {
   readonly device: TcpDevice;
   readonly depth: number;
-  onNotify: (() => void) | null = null;
+  private _onNotify: (() => void) | null = null;
+  /** Keeps the event loop alive while armed with a handler, as a verbs CQ's channel watcher does. */
+  private hold: NodeJS.Timeout | null = null;
+
+  get onNotify(): (() => void) | null {
+    return this._onNotify;
+  }
+
+  set onNotify(f: (() => void) | null) {
+    this._onNotify = f;
+    this.updateHold();
+  }
+
+  private updateHold(): void {
+    const want = this.armed && this._onNotify !== null && !this.destroyed;
+    if (want && this.hold === null) this.hold = setInterval(() => {}, 2 ** 30);
+    else if (!want && this.hold !== null) {
+      clearInterval(this.hold);
+      this.hold = null;
+    }
+  }
   private readonly ring: CompletionBuffer;
   private head = 0;
   private count = 0;
@@ -391,12 +421,17 @@ export class TcpCq implements CompletionQueue {
       this.scheduled = true;
       setImmediate(() => {
         this.scheduled = false;
-        if (!this.destroyed) this.onNotify?.();
+        if (!this.destroyed) this._onNotify?.();
+        this.updateHold();
       });
     }
   }
 
-  poll(out: CompletionBuffer, max = out.capacity): number {
+  poll(out: CompletionBuffer, max?: number): number {
+    if (this.destroyed) throw new RdmaError("INVALID_STATE", "poll on a destroyed completion queue", { errno: "EINVAL" });
+    if (!(out instanceof CompletionBuffer)) throw new RdmaError("INVALID_ARGUMENT", "poll needs a CompletionBuffer");
+    if (max === undefined) max = out.capacity;
+    else checkInt("max", max, 0, 2 ** 31);
     const n = Math.min(max, out.capacity, this.count);
     const r = this.ring;
     for (let k = 0; k < n; k++) {
@@ -416,11 +451,15 @@ export class TcpCq implements CompletionQueue {
   }
 
   requestNotify(): void {
+    if (this.destroyed) throw new RdmaError("INVALID_STATE", "requestNotify on a destroyed completion queue", { errno: "EINVAL" });
     this.armed = true;
+    this.updateHold();
   }
 
   destroy(): void {
-    if (this.qps.size > 0) throw new RdmaError("INVALID_STATE", `completion queue still used by ${this.qps.size} QPs (verbs refuses with EBUSY)`, { errno: "EBUSY" });
+    if (this.destroyed) return;
+    if (this.qps.size > 0 && !this.device.closed) throw new RdmaError("INVALID_STATE", `completion queue still used by ${this.qps.size} QPs (verbs refuses with EBUSY)`, { errno: "EBUSY" });
     this.destroyed = true;
+    this.updateHold();
   }
 }

@@ -37,7 +37,7 @@ import {
   rnrTimerMs,
   type FrameHeader,
 } from "./codec.js";
-import type { TcpCq, TcpDevice, TcpMr, TcpMw, TcpPd } from "./device.js";
+import { TcpMr, TcpMw, type TcpCq, type TcpDevice, type TcpPd } from "./device.js";
 
 const PSN_MASK = 0xffffff;
 const ENTRY_QUEUED = 0;
@@ -316,6 +316,7 @@ export class TcpQueuePair implements QueuePair {
     if (!this.sendCq || this.sendCq.device !== this.device || !this.recvCq || this.recvCq.device !== this.device) {
       throw new RdmaError("INVALID_ARGUMENT", "send and receive CQs must belong to the QP's device");
     }
+    if (this.sendCq.destroyed || this.recvCq.destroyed) throw new RdmaError("INVALID_STATE", "cannot create a QP on a destroyed CQ", { errno: "EINVAL" });
     this.caps = {
       maxSendWr: checkInt("maxSendWr", init.maxSendWr, 1, a.maxQpWr),
       maxRecvWr: checkInt("maxRecvWr", init.maxRecvWr, 1, a.maxQpWr),
@@ -333,7 +334,18 @@ export class TcpQueuePair implements QueuePair {
     this.state = QpState.INIT;
   }
 
-  localEndpoint(): Endpoint {
+  private destroyed = false;
+
+  private checkAlive(what: string): void {
+    if (this.destroyed) throw new RdmaError("INVALID_STATE", `${what}: QP ${this.qpNum} was destroyed`, { errno: "EINVAL" });
+  }
+
+  localEndpoint(attr: { portNum?: number; gidIndex?: number } = {}): Endpoint {
+    this.checkAlive("localEndpoint");
+    if (attr === null || typeof attr !== "object") throw new RdmaError("INVALID_ARGUMENT", "localEndpoint takes { portNum?, gidIndex? }");
+    checkInt("portNum", attr.portNum ?? 1, 1, this.device.attr.physPortCnt);
+    // tcp has one address per device; the GID index is accepted (verbs programs pass one) and ignored.
+    checkInt("gidIndex", attr.gidIndex ?? 0, 0, 255);
     return {
       provider: "tcp",
       qpNum: this.qpNum,
@@ -346,6 +358,7 @@ export class TcpQueuePair implements QueuePair {
   }
 
   connect(remote: Endpoint, attr: QpConnectAttr = {}): void {
+    this.checkAlive("connect");
     if (this.state !== QpState.INIT) throw new RdmaError("INVALID_STATE", `QP ${this.qpNum} must be in INIT to connect (state ${this.state})`);
     if (!remote || remote.provider !== "tcp") throw new RdmaError("INVALID_ARGUMENT", `peer endpoint is not a tcp endpoint (got ${String(remote?.provider)})`);
     checkInt("remote.qpNum", remote.qpNum, 0, PSN_MASK);
@@ -364,6 +377,8 @@ export class TcpQueuePair implements QueuePair {
     this.state = QpState.RTS;
 
     const sock = net.connect({ host: remote.gid, port: remote.port, noDelay: true });
+    // Like an idle verbs QP, the streams do not keep the process alive; an armed CQ with a handler does.
+    sock.unref();
     this.reqSock = sock;
     const reader = new FrameReader(
       (h) => this.onResponseHeader(h),
@@ -407,6 +422,7 @@ export class TcpQueuePair implements QueuePair {
       return;
     }
     this.respSock = sock;
+    sock.unref();
     const reader = new FrameReader(
       (h) => this.onRequestHeader(h),
       (h) => this.onRequestDone(h),
@@ -428,6 +444,7 @@ export class TcpQueuePair implements QueuePair {
   // ---------------------------------------------------------------- posting
 
   postSend(wrs: readonly SendWr[]): void {
+    this.checkAlive("postSend");
     if (!Array.isArray(wrs)) throw new RdmaError("INVALID_ARGUMENT", "postSend takes an array of work requests");
     if (this.state === QpState.RESET || this.state === QpState.INIT || this.state === QpState.RTR) {
       throw new RdmaError("INVALID_STATE", `postSend needs the QP in RTS (state ${this.state}); connect() first`, { errno: "EINVAL" });
@@ -452,6 +469,7 @@ export class TcpQueuePair implements QueuePair {
   }
 
   postRecv(wrs: readonly RecvWr[]): void {
+    this.checkAlive("postRecv");
     if (!Array.isArray(wrs)) throw new RdmaError("INVALID_ARGUMENT", "postRecv takes an array of work requests");
     if (this.state === QpState.RESET) throw new RdmaError("INVALID_STATE", "postRecv needs the QP in INIT or later", { errno: "EINVAL" });
     for (let i = 0; i < wrs.length; i++) {
@@ -474,7 +492,7 @@ export class TcpQueuePair implements QueuePair {
     if (!Array.isArray(list) || list.length > max) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: sgList must be an array of at most ${max} entries`);
     const out: Sge[] = [];
     for (const s of list) {
-      if (!s || !Number.isInteger(s.addr) || !Number.isInteger(s.length) || s.length < 0 || !Number.isInteger(s.lkey)) {
+      if (!s || !Number.isSafeInteger(s.addr) || s.addr < 0 || !Number.isInteger(s.length) || s.length < 0 || s.length > MAX_MESSAGE || !Number.isInteger(s.lkey) || s.lkey < 0 || s.lkey > 0xffffffff) {
         throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: bad scatter/gather element`);
       }
       out.push({ addr: s.addr, length: s.length, lkey: s.lkey >>> 0 });
@@ -487,6 +505,14 @@ export class TcpQueuePair implements QueuePair {
     const op = wr.opcode;
     if (WC_OF_WR[op] === undefined) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: unknown opcode ${String(op)}`);
     const flags = wr.flags ?? 0;
+    if (!Number.isInteger(flags) || flags < 0 || flags & ~(SendFlags.FENCE | SendFlags.SIGNALED | SendFlags.SOLICITED | SendFlags.INLINE)) {
+      throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: unknown send flags ${String(flags)}`);
+    }
+    if (wr.imm !== undefined && (!Number.isInteger(wr.imm) || wr.imm < 0 || wr.imm > 0xffffffff)) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: imm must be a u32`);
+    const needsRemote = op === WrOpcode.RDMA_WRITE || op === WrOpcode.RDMA_WRITE_WITH_IMM || op === WrOpcode.RDMA_READ || op === WrOpcode.ATOMIC_CMP_AND_SWP || op === WrOpcode.ATOMIC_FETCH_AND_ADD;
+    if (needsRemote && (wr.remoteAddr === undefined || wr.rkey === undefined)) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: this opcode needs remoteAddr and rkey`);
+    if (wr.rkey !== undefined && (!Number.isInteger(wr.rkey) || wr.rkey < 0 || wr.rkey > 0xffffffff)) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: rkey must be a u32`);
+    if (op === WrOpcode.LOCAL_INV && (!Number.isInteger(wr.invalidateRkey) || wr.invalidateRkey! < 0 || wr.invalidateRkey! > 0xffffffff)) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: LOCAL_INV needs invalidateRkey (u32)`);
     const sges = this.copySges(wr.sgList, this.caps.maxSendSge, i);
     let len = 0;
     for (const s of sges) len += s.length;
@@ -534,9 +560,11 @@ export class TcpQueuePair implements QueuePair {
         break;
       case WrOpcode.BIND_MW: {
         const b = wr.bind;
-        if (!wr.mw || !b || typeof wr.bindRkey !== "number") throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: BIND_MW needs mw, bindRkey and bind`);
+        if (!(wr.mw instanceof TcpMw) || !b || !(b.mr instanceof TcpMr) || !Number.isInteger(wr.bindRkey) || !Number.isSafeInteger(b.addr) || !Number.isInteger(b.length) || !Number.isInteger(b.access)) {
+          throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: BIND_MW needs a memory window, bindRkey and bind { mr, addr, length, access }`);
+        }
         e.mw = wr.mw as TcpMw;
-        e.bindRkey = wr.bindRkey >>> 0;
+        e.bindRkey = wr.bindRkey! >>> 0;
         e.bindMr = b.mr as TcpMr;
         e.bindAddr = b.addr;
         e.bindLen = b.length;
@@ -1130,6 +1158,7 @@ export class TcpQueuePair implements QueuePair {
   }
 
   setError(): void {
+    this.checkAlive("setError");
     this.enterError("moved to ERR by the application", false);
   }
 
@@ -1162,7 +1191,9 @@ export class TcpQueuePair implements QueuePair {
   }
 
   destroy(): void {
-    if (!this.device.qps.has(this.qpNum) || this.device.qps.get(this.qpNum) !== this) return;
+    if (this.destroyed) return;
+    this.destroyed = true;
+    if (this.device.qps.get(this.qpNum) !== this) return;
     this.state = QpState.ERR;
     if (this.rnrWait) clearTimeout(this.rnrWait);
     if (this.ackTimer) clearTimeout(this.ackTimer);
