@@ -18,8 +18,8 @@ test("allocLocalMr: slabs on native memory, one registration per allocation on t
     const lmrs = Array.from({ length: 100 }, (_, i) => client.allocLocalMr(64 + (i % 4) * 100));
     const after = client.stats().pool;
     if (NATIVE) {
-      // Sizes 64..364 fall in three classes (64, 256, 1024 B): at most one new slab each.
-      assert.ok(after.registrations - before <= 3, `100 small allocations cost ${after.registrations - before} registrations`);
+      // Sizes 64..364 fall in three classes (64, 256, 1024 B): at most a small first slab and a 1 MiB one each.
+      assert.ok(after.registrations - before <= 6, `100 small allocations cost ${after.registrations - before} registrations`);
       assert.ok(after.slabs >= 1);
     } else {
       assert.equal(after.registrations - before, 100);
