@@ -40,7 +40,10 @@
 typedef struct cm_state cm_state_t;
 typedef struct cm_id cm_id_t;
 
+#define CM_ID_MAGIC 0x636d6964u /* "cmid": tells our handles from other addons' externals */
+
 struct cm_id {
+  uint32_t magic;
   cm_state_t *st;
   struct rdma_cm_id *id;
   uint32_t token;
@@ -140,12 +143,14 @@ static void id_finalize(napi_env env, void *data, void *hint) {
   (void)hint;
   cm_id_t *c = data;
   if (!c->st->tearing_down) id_destroy(c);
+  c->magic = 0;
   free(c);
 }
 
 static cm_id_t *id_wrap(cm_state_t *st, struct rdma_cm_id *id) {
   cm_id_t *c = calloc(1, sizeof *c);
   if (!c) return NULL;
+  c->magic = CM_ID_MAGIC;
   c->st = st;
   c->id = id;
   c->token = ++st->next_token;
@@ -175,7 +180,7 @@ static cm_id_t *get_id(napi_env env, napi_value v) {
     return NULL;
   }
   cm_id_t *c = p;
-  if (c->st != state_of(env)) {
+  if (c->magic != CM_ID_MAGIC || c->st != state_of(env)) {
     throw_arg(env, "expected an RDMA CM id handle");
     return NULL;
   }
@@ -585,7 +590,7 @@ static napi_value cm_destroy_id(napi_env env, napi_callback_info info) {
   napi_valuetype t;
   if (napi_typeof(env, argv[0], &t) != napi_ok || t != napi_external || napi_get_value_external(env, argv[0], &p) != napi_ok || !p) return throw_arg(env, "expected an RDMA CM id handle");
   cm_id_t *c = p;
-  if (c->st != state_of(env)) return throw_arg(env, "expected an RDMA CM id handle");
+  if (c->magic != CM_ID_MAGIC || c->st != state_of(env)) return throw_arg(env, "expected an RDMA CM id handle");
   int e = id_destroy(c);
   if (e) return throw_errno(env, "rdma_destroy_id", e);
   return NULL;

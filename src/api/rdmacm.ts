@@ -134,17 +134,6 @@ async function resolveHost(host: string, forBind: boolean): Promise<string> {
   }
 }
 
-/** The device's IPv4 address (its RoCE v2 IPv4-mapped GID), the source for resolving a route from it. */
-function deviceIpv4(ctx: Context, port: number): string | null {
-  try {
-    const gids = ctx.device.queryPort(port).gids;
-    const g = gids.find((x) => x.type === "RoCE v2" && x.gid.startsWith("::ffff:")) ?? gids.find((x) => x.gid.startsWith("::ffff:"));
-    return g && isIP(g.gid.slice(7)) === 4 ? g.gid.slice(7) : null;
-  } catch {
-    return null;
-  }
-}
-
 function rdParams(s: ResolvedSettings, attr: DeviceAttr): { responderResources: number; initiatorDepth: number; retryCount: number; rnrRetryCount: number } {
   return {
     responderResources: Math.min(s.maxRdAtomic, attr.maxQpRdAtom, 255),
@@ -234,16 +223,29 @@ export async function dialCm(
   let responded = false;
   const holder: { rdma: Rdma | null } = { rdma: null };
   const where = `${addr.host}:${addr.port}`;
-  const deadline = performance.now() + base.connectTimeoutMs;
+  let deadline = performance.now() + base.connectTimeoutMs;
   const left = (): number => Math.max(1, Math.ceil(deadline - performance.now()));
   try {
     if (signal?.aborted) throw new RdmaError("ABORTED", "connect aborted");
+    const t0 = performance.now();
     const mod = await loadCm(existing ? "verbs" : base.provider);
+    deadline += performance.now() - t0;
     const T = mod.CmEventType;
     const dst = await resolveHost(addr.host, false);
-    if (!ctx && base.device !== undefined) ctx = await Context.open(base.provider, base.device);
+    // The deadline bounds the network steps, as the side channel's does: local setup (opening a device) does not count.
+    const local = async <T>(f: () => Promise<T>): Promise<T> => {
+      const t0 = performance.now();
+      try {
+        return await f();
+      } finally {
+        deadline += performance.now() - t0;
+      }
+    };
+    if (!ctx && base.device !== undefined) ctx = await local(() => Context.open(base.provider, base.device));
     if (ctx && ctx.provider.name !== "verbs") throw new RdmaError("INVALID_ARGUMENT", 'setConnectionManager("rdmacm") needs the verbs provider');
-    const src = ctx && isIP(dst) === 4 ? deviceIpv4(ctx, base.port) : null;
+    // No source address: the routing table picks the device (with one bound,
+    // rxe resolves even unroutable destinations and the connect then times out).
+    const src = null;
     id = mod.CmId.create();
     const cmId = id;
     step(where, "address resolution (rdma_resolve_addr)", () => cmId.resolveAddr(src, dst, addr.port, left()));
@@ -255,7 +257,7 @@ export async function dialCm(
     if (ctx && ctx.device.name !== info.deviceName) {
       throw new RdmaError("INVALID_ARGUMENT", `the route to ${where} goes through RDMA device ${info.deviceName}, but this connection uses ${ctx.device.name}: set the device to ${info.deviceName} (or none)`);
     }
-    if (!ctx) ctx = await Context.open("verbs", info.deviceName);
+    if (!ctx) ctx = await local(() => Context.open("verbs", info.deviceName!));
     const s: ResolvedSettings = { ...resolve(ctx.device.attr), port: info.portNum || base.port, cm: "rdmacm" };
     conn = makeConnection(ctx, s, { recvDepth: 0, eagerMax: 0 }, holder);
     const psn = conn.qp.localEndpoint({ portNum: s.port }).psn;

@@ -7,6 +7,7 @@ import assert from "node:assert/strict";
 import { RdmaError, RemoteMr } from "../../src/index.js";
 import { RemoteLease } from "../../src/memory/mr.js";
 import { PROVIDER, eventually, pattern, until, withApiPair } from "../support/api.js";
+import { SLOW } from "../support/seam.js";
 
 function code(c: string) {
   return (e: unknown) => {
@@ -127,8 +128,10 @@ describe(`API data operations [${PROVIDER}]`, () => {
 
   it("lease expiry, requester side: a late write fails with LEASE_EXPIRED and never reaches the wire", () =>
     withApiPair(async ({ client, server }) => {
-      const rmr = await client.requestRemoteMr(8, { leaseMs: 30 });
+      // allocate first, and scale the lease: in the emulated guest a fresh slab's registration
+      // plus the request's round trip can outlast 30 ms
       using lmr = client.allocLocalMr(8);
+      const rmr = await client.requestRemoteMr(8, { leaseMs: 30 * SLOW });
       await client.write(lmr, rmr);
       await until(rmr.leaseDeadline);
       await assert.rejects(client.write(lmr, rmr), code("LEASE_EXPIRED"));
