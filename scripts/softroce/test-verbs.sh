@@ -1,5 +1,5 @@
 #!/bin/sh
-# npm run test:verbs — the whole conformance and API suite on the verbs provider,
+# npm run test:verbs — the whole conformance, API and lifetime/memory suite on the verbs provider,
 # on real libibverbs against Soft-RoCE inside the QEMU guest:
 #   1. layout "single": one rxe device, both ends on it;
 #   2. layout "veth":   rxe0 and rxe1 joined by a veth wire (two "hosts").
@@ -19,7 +19,7 @@ cd "$ROOT"
 LAYOUTS=""
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do LAYOUTS="$LAYOUTS $1"; shift; done
 [ "${1:-}" = "--" ] && shift
-FILTERS=${*:-"conformance api"}
+FILTERS=${*:-"conformance api verbs/"}
 LAYOUTS=${LAYOUTS:-"single veth"}
 CM_FILTERS=${TEST_VERBS_CM:-"api/connection api/data api/peer-death api/rdmacm"}
 if ! ls build/Release/*.node >/dev/null 2>&1; then
