@@ -35,6 +35,8 @@ export const PERF_USAGE = `usage: async-rdma perf <test> [server-address] [optio
   -s, --size BYTES        message size (default 65536 for bandwidth, 2 for latency; atomics: 8)
   -n, --iters N           iterations (default 5000 for bandwidth, 1000 for latency)
   -a, --all               all sizes 2 .. 2^23 (atomics: 8 only)
+      --sizes A,B,...     these sizes in this order (repeats allowed: one process pair, several runs)
+      --warmup N          warm-up operations per size (default: enough for the JIT, see docs/performance.md)
   -D, --duration SECONDS  run for this long instead of -n iterations
   -q, --qp N              connections (bandwidth tests; default 1)
   -t, --tx-depth N        operations in flight per connection (bandwidth; default 128)
@@ -60,6 +62,8 @@ export interface PerfOptions {
   size: number | null;
   iters: number | null;
   all: boolean;
+  sizes: number[] | null;
+  warmup: number | null;
   duration: number | null;
   qps: number;
   txDepth: number;
@@ -88,7 +92,7 @@ function intArg(flag: string, v: string | undefined, min: number, max: number): 
 
 /** Parses perftest-style arguments; throws PerfUsageError on anything wrong. */
 export function parsePerfArgs(argv: string[]): PerfOptions {
-  const o: PerfOptions = { test: "write_bw", server: null, port: DEFAULT_PORT, size: null, iters: null, all: false, duration: null, qps: 1, txDepth: 128, device: null, gidIndex: null, gbits: false, provider: "auto", polling: null, writeImm: false, json: false, plot: null };
+  const o: PerfOptions = { test: "write_bw", server: null, port: DEFAULT_PORT, size: null, iters: null, all: false, sizes: null, warmup: null, duration: null, qps: 1, txDepth: 128, device: null, gidIndex: null, gbits: false, provider: "auto", polling: null, writeImm: false, json: false, plot: null };
   const pos: string[] = [];
   let durationSet = false;
   for (let i = 0; i < argv.length; i++) {
@@ -115,6 +119,15 @@ export function parsePerfArgs(argv: string[]): PerfOptions {
       case "-a":
       case "--all":
         o.all = true;
+        break;
+      case "--sizes": {
+        const v = val();
+        if (!v) throw new PerfUsageError("--sizes needs a comma-separated list of sizes");
+        o.sizes = v.split(",").map((x) => intArg("--sizes", x.trim(), 1, MAX_SIZE));
+        break;
+      }
+      case "--warmup":
+        o.warmup = intArg(a, val(), 0, 100_000_000);
         break;
       case "-D":
       case "--duration":
@@ -177,7 +190,7 @@ export function parsePerfArgs(argv: string[]): PerfOptions {
         if (a.startsWith("-")) throw new PerfUsageError(`unknown option ${a}`);
         pos.push(a);
     }
-    if (inline !== undefined && !["-s", "--size", "-n", "--iters", "-D", "--duration", "-q", "--qp", "-t", "--tx-depth", "-d", "--ib-dev", "-x", "--gid-index", "-p", "--port", "--provider", "--polling", "--plot"].includes(a)) {
+    if (inline !== undefined && !["-s", "--size", "-n", "--iters", "-D", "--duration", "-q", "--qp", "-t", "--tx-depth", "-d", "--ib-dev", "-x", "--gid-index", "-p", "--port", "--provider", "--polling", "--plot", "--sizes", "--warmup"].includes(a)) {
       throw new PerfUsageError(`${a} takes no value`);
     }
   }
@@ -186,12 +199,13 @@ export function parsePerfArgs(argv: string[]): PerfOptions {
   if (!(PERF_TESTS as readonly string[]).includes(pos[0]!)) throw new PerfUsageError(`unknown test ${pos[0]} (one of ${PERF_TESTS.join(", ")})`);
   o.test = pos[0] as PerfTest;
   o.server = pos[1] ?? null;
-  if (o.all && o.size !== null) throw new PerfUsageError("-a and -s exclude each other");
+  if ([o.all, o.size !== null, o.sizes !== null].filter(Boolean).length > 1) throw new PerfUsageError("-a, -s and --sizes exclude each other");
+  if (isAtomic(o.test) && o.sizes !== null && o.sizes.some((x) => x !== 8)) throw new PerfUsageError("atomic tests operate on 8 bytes; --sizes may only list 8");
   if (durationSet && o.iters !== null) throw new PerfUsageError("-D and -n exclude each other");
   if (isAtomic(o.test) && o.size !== null && o.size !== 8) throw new PerfUsageError("atomic tests operate on 8 bytes; -s must be 8 or absent");
   if (!isBw(o.test) && o.qps !== 1) throw new PerfUsageError("-q applies to bandwidth tests only (latency tests use one connection, as perftest)");
   if (o.writeImm && o.test !== "write_lat") throw new PerfUsageError("--write_imm applies to write_lat only");
-  if (o.plot !== null && !o.all) throw new PerfUsageError("--plot draws a size sweep: use it with -a");
+  if (o.plot !== null && !o.all && o.sizes === null) throw new PerfUsageError("--plot draws a size sweep: use it with -a (or --sizes)");
   if (o.plot !== null && !o.plot.endsWith(".svg")) throw new PerfUsageError("--plot writes SVG: give a file name ending in .svg");
   return o;
 }
@@ -199,6 +213,7 @@ export function parsePerfArgs(argv: string[]): PerfOptions {
 // ------------------------------------------------------------------ sizes
 
 function sizesOf(o: PerfOptions): number[] {
+  if (o.sizes !== null) return o.sizes;
   if (isAtomic(o.test)) return [8];
   if (o.all) return Array.from({ length: 23 }, (_, i) => 2 << i);
   return [o.size ?? (isBw(o.test) ? 65536 : 2)];
@@ -207,12 +222,13 @@ function sizesOf(o: PerfOptions): number[] {
 /**
  * Iterations for one size. perftest keeps -n fixed across -a; on a software
  * transport 5000 × 8 MiB would take minutes, so without an explicit -n a
- * sweep caps each size at 1 GiB (bandwidth) or 256 MiB (latency) moved.
+ * sweep (-a or --sizes) caps each size at 1 GiB (bandwidth) or 256 MiB
+ * (latency) moved.
  */
 function itersFor(o: PerfOptions, size: number): number {
   if (o.iters !== null) return o.iters;
   const def = isBw(o.test) ? 5000 : 1000;
-  if (!o.all) return def;
+  if (!o.all && o.sizes === null) return def;
   return Math.max(isBw(o.test) ? 64 : 100, Math.min(def, Math.floor((isBw(o.test) ? 2 ** 30 : 2 ** 28) / size)));
 }
 
@@ -662,17 +678,22 @@ async function writeLatImm(s: Session, size: number): Promise<LatCtx> {
  * write_lat as perftest does it: each side RDMA-WRITEs into the other's
  * buffer and polls the last byte of its own buffer for the iteration's
  * stamp. The polled buffer must be memory the poller owns and the peer may
- * write, so each side lends it with sendLocalMr; the poller keeps the
- * Uint8Array it took before lending (on verbs the NIC writes it directly; on
- * tcp the provider copies into it from the socket, so polling yields to the
- * event loop between looks). On verbs a short synchronous spin comes first.
+ * write: each side registers its own ArrayBuffer (registerMr) and lends it
+ * with sendLocalMr, keeping its own view of the buffer (on verbs the NIC
+ * writes it directly; on tcp the provider copies into it from the socket, so
+ * polling yields to the event loop between looks). On verbs a short
+ * synchronous spin comes first.
  */
 async function writeLatPoll(s: Session, size: number): Promise<LatCtx> {
   const rdma = s.conns[0]!;
   const src = rdma.allocLocalMr(size);
   const srcView = src.bytes;
-  const dst = rdma.allocLocalMr(size);
-  const dstView = dst.bytes;
+  // The polled buffer is this program's own ArrayBuffer, registered and lent:
+  // the library never detaches a caller's buffer (pool memory would be
+  // detached while lent), so this side can keep looking at it.
+  const dstBuf = new ArrayBuffer(size);
+  const dstView = new Uint8Array(dstBuf);
+  const dst = rdma.registerMr(dstBuf);
   await rdma.sendLocalMr(dst, { leaseMs: LEASE_MS });
   const rmr = await rdma.receiveRemoteMr();
   if (dstView.length !== size) throw new RdmaError("INVALID_STATE", "perf write_lat: this provider detaches lent memory, so its buffer cannot be polled; use --write_imm");
@@ -795,7 +816,8 @@ async function runClient(o: PerfOptions): Promise<void> {
     const rows: (BwRow | LatRow)[] = [];
     for (const size of sizesOf(o)) {
       const iters = itersFor(o, size);
-      const warm = warmFor(o.test, size, o.txDepth, o.qps);
+      // -D on a latency test sizes its iterations from the warm-up rate, so it needs some warm-up
+      const warm = Math.max(o.duration !== null && !isBw(o.test) ? 10 : 0, o.warmup ?? warmFor(o.test, size, o.txDepth, o.qps));
       await sendCtrl(c0, { type: "size", size, warm });
       const r = isBw(o.test) ? await clientBw(s, size, warm, iters) : await clientLat(s, size, warm, iters);
       rows.push(r.row);

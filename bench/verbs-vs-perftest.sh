@@ -1,0 +1,235 @@
+#!/bin/sh
+# Ours on real verbs against perftest, inside the Soft-RoCE guest:
+#   ib_write_bw / ib_read_bw / ib_send_bw at 64 B, 4 KiB, 64 KiB, 1 MiB   vs  async-rdma perf write_bw / read_bw / send_bw
+#   ib_write_lat / ib_read_lat / ib_send_lat / ib_atomic_lat at 8 B       vs  async-rdma perf write_lat / read_lat / send_lat / atomic_lat
+# both sides of each comparison in one go (server and client on the guest's
+# rxe device), medians over RUNS runs: perftest in a fresh process pair per
+# run; ours in one process pair per test running each size RUNS times
+# (--sizes), because node's start-up under TCG costs tens of seconds.
+# Every client starts when its server has printed
+# "Waiting for client to connect" (perftest's banner; `async-rdma perf` prints
+# the same words), never after a sleep.
+#
+#   sh bench/verbs-vs-perftest.sh            on the host: calibrates (below), then runs itself in the guest
+#   scripts/softroce/run.sh -t 1800 'sh bench/verbs-vs-perftest.sh'     the same without host calibration
+#
+# Env: RUNS (3), BW_ITERS (2000; 1 MiB uses BW_ITERS_1M, 200), LAT_ITERS (1000),
+#      WARMUP_BW (200) / WARMUP_LAT (100): our warm-up operations per size,
+#      SIZES ("64 4096 65536 1048576"), TESTS (all), OUT (file for the raw log).
+#
+# Emulation: the guest runs under QEMU TCG, which slows JIT-compiled code
+# 4-7x more than C. The script times a pure-JS loop and a C workload in the
+# guest (and on the host, when started from the host) and prints the JIT
+# penalty F = (JS guest/host) / (C guest/host); docs/performance.md explains
+# how the ratios are read with it. A program that reports: never fails on a number.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd -P)
+cd "$ROOT" || exit 1
+
+calibrate() { # prints "js_ms c_ms": a JS loop (JIT) and sha256 of 64 MiB (C), best of 3
+  node -e '
+    const { execSync } = require("child_process");
+    function js() { let x = 0; for (let i = 0; i < 3e7; i++) x = (x * 31 + i) | 0; return x; }
+    let bj = Infinity, bc = Infinity;
+    for (let k = 0; k < 3; k++) {
+      let t = process.hrtime.bigint(); js(); bj = Math.min(bj, Number(process.hrtime.bigint() - t) / 1e6);
+      t = process.hrtime.bigint(); execSync("head -c 67108864 /dev/zero | sha256sum >/dev/null", { shell: "/bin/sh" }); bc = Math.min(bc, Number(process.hrtime.bigint() - t) / 1e6);
+    }
+    console.log(bj.toFixed(1) + " " + bc.toFixed(1));'
+}
+
+if [ -z "${RXE_DEVS:-}" ]; then
+  # On the host: calibrate here, then run this script in the guest with the host's numbers.
+  [ -f dist/src/cli/main.js ] || { echo "verbs-vs-perftest: run npm run build first" >&2; exit 1; }
+  HOST_CAL=$(calibrate)
+  export HOST_CAL
+  echo "verbs-vs-perftest: host calibration (js_ms c_ms): $HOST_CAL; starting the Soft-RoCE guest" >&2
+  exec scripts/softroce/run.sh -t "${GUEST_TIMEOUT:-2400}" 'sh bench/verbs-vs-perftest.sh'
+fi
+
+RUNS=${RUNS:-3}
+BW_ITERS=${BW_ITERS:-2000}
+BW_ITERS_1M=${BW_ITERS_1M:-200}
+LAT_ITERS=${LAT_ITERS:-1000}
+WARMUP_BW=${WARMUP_BW:-200}
+WARMUP_LAT=${WARMUP_LAT:-100}
+SIZES=${SIZES:-"64 4096 65536 1048576"}
+TESTS=${TESTS:-"write_bw read_bw send_bw write_lat read_lat send_lat atomic_lat"}
+DEV=${RXE_DEV:-$(echo "$RXE_DEVS" | cut -d' ' -f1)}
+IP=$(echo "${RXE_IPS:-10.77.0.1}" | cut -d' ' -f1)
+GID=${RXE_GID_INDEX:-1}
+CLI="node dist/src/cli/main.js"
+TMP=$(mktemp -d /tmp/vvp.XXXXXX)
+OUT=${OUT:-$TMP/raw.log}
+T0=$(date +%s)
+: >"$OUT"
+
+log() { printf '%s\n' "$*" >&2; }
+
+# run_pair NAME 'server command' 'client command' -> client output in $TMP/cli.out, status in $CRC/$SRC
+run_pair() {
+  rm -f "$TMP/fifo" "$TMP/srv.out"
+  mkfifo "$TMP/fifo"
+  sh -c "exec timeout ${PAIR_TIMEOUT:-900} $2" >"$TMP/fifo" 2>&1 &
+  SP=$!
+  READY=0
+  exec 3<"$TMP/fifo"
+  while IFS= read -r line <&3; do
+    printf '%s\n' "$line" >>"$TMP/srv.out"
+    case $line in *"Waiting for client to connect"*) READY=1; break ;; esac
+  done
+  cat <&3 >>"$TMP/srv.out" &
+  CATP=$!
+  exec 3<&-
+  if [ "$READY" = 1 ]; then
+    sh -c "exec timeout ${PAIR_TIMEOUT:-900} $3" >"$TMP/cli.out" 2>&1
+    CRC=$?
+  else
+    CRC=125
+    echo "(server exited before it was ready)" >"$TMP/cli.out"
+  fi
+  wait "$SP"
+  SRC=$?
+  wait "$CATP" 2>/dev/null
+  { echo "== $1: server rc=$SRC: $2"; cat "$TMP/srv.out"; echo "== $1: client rc=$CRC: $3"; cat "$TMP/cli.out"; } >>"$OUT"
+}
+
+# perftest result line: the last line starting with two integers
+pt_field() { grep -E '^ *[0-9]+ +[0-9]+ ' "$TMP/cli.out" | tail -1 | tr -s ' \t' ' ' | sed 's/^ //' | cut -d' ' -f"$1"; }
+ours_field() { grep '"type":"result"' "$TMP/cli.out" | tail -1 | sed -n "s/.*\"$1\":\([0-9.eE+-]*\).*/\1/p"; }
+median() { printf '%s\n' "$@" | grep -E '^[0-9.eE+-]+$' | sort -g | awk '{a[NR]=$1} END { if (NR == 0) print "n/a"; else if (NR % 2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2 }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "n/a" || b == "n/a" || b == 0) print "n/a"; else printf "%.3f", a / b }'; }
+
+ROWS=$TMP/rows
+CMDS=$TMP/cmds
+: >"$ROWS"
+: >"$CMDS"
+
+label_of() { # size -> "64 B" / "4 KiB" / "1 MiB"
+  if [ "$1" -ge 1048576 ]; then echo "$(($1 / 1048576)) MiB"; elif [ "$1" -ge 1024 ]; then echo "$(($1 / 1024)) KiB"; else echo "$1 B"; fi
+}
+repeat_list() { # size runs -> "s,s,s"
+  out="" i=0
+  while [ "$i" -lt "$2" ]; do out="$out${out:+,}$1"; i=$((i + 1)); done
+  echo "$out"
+}
+
+# ours: one process pair per test (and per iteration count): every size RUNS
+# times in one run (--sizes), so the guest pays node's start-up (tens of
+# seconds under TCG) once instead of once per run.
+# ours_runs TEST ITERS SIZE... -> result lines in $TMP/ours.$TEST
+ours_runs() {
+  test=$1 iters=$2
+  shift 2
+  list=""
+  r=0
+  while [ "$r" -lt "$RUNS" ]; do
+    for s in "$@"; do list="$list${list:+,}$s"; done
+    r=$((r + 1))
+  done
+  warm=$WARMUP_BW
+  case $test in *_lat) warm=$WARMUP_LAT ;; esac
+  srv="$CLI perf $test --provider verbs -d $DEV -x $GID -p 18515 --json"
+  cli="$CLI perf $test $IP --provider verbs -d $DEV -x $GID -p 18515 --json --sizes $list -n $iters --warmup $warm"
+  run_pair "ours $test ($list)" "$srv" "$cli"
+  grep '"type":"result"' "$TMP/cli.out" >>"$TMP/ours.$test"
+  [ "$CRC" = 0 ] || echo "ours rc=$CRC: $(tail -1 "$TMP/cli.out")" >>"$TMP/ours.$test.err"
+  printf '  ours %s (sizes %s):\n    server: %s\n    client: %s\n' "$test" "$list" "$srv" "$cli" >>"$CMDS"
+}
+ours_vals() { # test size field
+  grep "\"bytes\":$2," "$TMP/ours.$1" 2>/dev/null | sed -n "s/.*\"$3\":\([0-9.eE+-]*\).*/\1/p" | tr '\n' ' '
+}
+
+# perftest: a fresh process pair per run, as perftest is used.
+# pt_runs TEST TOOL SIZE ITERS -> values in $PT_BW / $PT_MR / $PT_LAT
+pt_runs() {
+  test=$1 tool=$2 size=$3 iters=$4
+  sz="-s $size"
+  [ "$test" = atomic_lat ] && sz=""
+  srv="stdbuf -oL $tool -d $DEV -x $GID -p 18516 $sz -n $iters"
+  cli="$tool -d $DEV -x $GID -p 18516 $sz -n $iters $IP"
+  PT_BW="" PT_MR="" PT_LAT="" PT_ERR=""
+  r=1
+  while [ "$r" -le "$RUNS" ]; do
+    run_pair "perftest $tool $size run $r" "$srv" "$cli"
+    if [ "$CRC" = 0 ]; then
+      case $test in
+      *_bw) PT_BW="$PT_BW $(pt_field 4)" PT_MR="$PT_MR $(pt_field 5)" ;;
+      *) PT_LAT="$PT_LAT $(pt_field 5)" ;;
+      esac
+    else
+      PT_ERR="perftest rc=$CRC: $(tail -1 "$TMP/cli.out")"
+    fi
+    r=$((r + 1))
+  done
+  printf '  perftest %s %s (%s runs):\n    server: %s\n    client: %s\n' "$tool" "$(label_of "$size")" "$RUNS" "$srv" "$cli" >>"$CMDS"
+}
+
+row() { # label tool unit ours-values perftest-values errors
+  o=$(median $4) p=$(median $5)
+  echo "$1|$2|$3|$o|$p|$(ratio "$o" "$p")|$(echo $4 | tr ' ' '/')|$(echo $5 | tr ' ' '/')|$6" >>"$ROWS"
+  log "  $1: ours $o, perftest $p ($3)"
+}
+
+log "verbs-vs-perftest: device $DEV ($IP, GID $GID), $RUNS runs each; layout ${SOFTROCE_LAYOUT:-?}"
+GUEST_CAL=$(calibrate)
+log "guest calibration (js_ms c_ms): $GUEST_CAL"
+$CLI devices --provider verbs >"$TMP/devices.out" 2>&1
+DEV_RC=$?
+head -3 "$TMP/devices.out" >&2
+
+for test in $TESTS; do
+  case $test in
+  write_bw | read_bw | send_bw)
+    small="" large=""
+    for s in $SIZES; do if [ "$s" -ge 1048576 ]; then large="$large $s"; else small="$small $s"; fi; done
+    # shellcheck disable=SC2086
+    [ -n "$small" ] && ours_runs "$test" "$BW_ITERS" $small
+    # shellcheck disable=SC2086
+    [ -n "$large" ] && ours_runs "$test" "$BW_ITERS_1M" $large
+    for s in $SIZES; do
+      n=$BW_ITERS
+      [ "$s" -ge 1048576 ] && n=$BW_ITERS_1M
+      pt_runs "$test" "ib_$test" "$s" "$n"
+      err="$(cat "$TMP/ours.$test.err" 2>/dev/null | tail -1) $PT_ERR"
+      row "$test $(label_of "$s")" "ib_$test" "MB/s avg" "$(ours_vals "$test" "$s" bwAvg)" "$PT_BW" "$err"
+      [ "$s" = 64 ] && row "$test 64 B msg rate" "ib_$test" "Mpps" "$(ours_vals "$test" "$s" msgRate)" "$PT_MR" ""
+    done
+    ;;
+  write_lat | read_lat | send_lat | atomic_lat)
+    ours_runs "$test" "$LAT_ITERS" 8
+    pt_runs "$test" "ib_$test" 8 "$LAT_ITERS"
+    err="$(cat "$TMP/ours.$test.err" 2>/dev/null | tail -1) $PT_ERR"
+    row "$test 8 B" "ib_$test" "usec typical" "$(ours_vals "$test" 8 tTypical)" "$PT_LAT" "$err"
+    ;;
+  *) log "unknown test $test" ;;
+  esac
+done
+
+T1=$(date +%s)
+echo
+echo "## async-rdma (verbs provider) vs perftest — Soft-RoCE guest ($DEV, layout ${SOFTROCE_LAYOUT:-?})"
+echo
+echo "guest: $(uname -r), $(nproc) vCPUs under QEMU TCG; $RUNS runs each, medians; $((T1 - T0)) s; \`async-rdma devices --provider verbs\` rc=$DEV_RC"
+echo
+echo "| test | perftest tool | unit | ours | perftest | ours / perftest | ours runs | perftest runs | errors |"
+echo "|---|---|---|---|---|---|---|---|---|"
+awk -F'|' '{ printf "|"; for (i = 1; i <= NF; i++) printf " %s |", $i; print "" }' "$ROWS"
+echo
+set -- $GUEST_CAL
+echo "calibration (best of 3): JS loop ${1} ms, C sha256 of 64 MiB ${2} ms in the guest"
+if [ -n "${HOST_CAL:-}" ]; then
+  set -- $GUEST_CAL $HOST_CAL
+  awk -v gj="$1" -v gc="$2" -v hj="$3" -v hc="$4" 'BEGIN { printf "host: JS %s ms, C %s ms -> JS slowed %.1fx, C slowed %.1fx: JIT penalty F = %.2f\n", hj, hc, gj/hj, gc/hc, (gj/hj)/(gc/hc) }'
+fi
+echo
+echo "commands (server | client; each client started on its server's ready line):"
+cat "$CMDS"
+echo
+echo "raw log: $OUT"
+if grep -q 'rc=' "$ROWS"; then
+  echo "--- raw log of the failed runs (last 60 lines)"
+  tail -60 "$OUT"
+fi
+rm -f "$TMP/fifo"
+exit 0
