@@ -269,15 +269,17 @@ function bwUnit(bytesPerSec: number, gbits: boolean): number {
 
 /**
  * Average: bytes over first post → last completion. Peak: the best rate over
- * any `k` consecutive completions (k = the operations in flight), i.e. the
- * steadiest stretch of the run — perftest's peak is a best-case figure too.
+ * any stretch of max(k, 10 % of the run) consecutive completions (k = the
+ * operations in flight): completions arrive in bursts (one ACK covers many
+ * writes), so shorter stretches would report bursts, not bandwidth.
+ * perftest's peak is a best-case figure too.
  */
 export function bwStats(size: number, count: number, start: number, done: Float64Array, k: number, gbits: boolean): BwRow {
   const end = count > 0 ? done[count - 1]! : start;
   const sec = Math.max(1e-9, (end - start) / 1000);
   const avg = (size * count) / sec;
   let peak = avg;
-  const w = Math.min(Math.max(1, k), count - 1);
+  const w = Math.min(Math.max(1, k, Math.ceil(count / 10)), count - 1);
   if (w >= 1 && count > w) {
     let best = Infinity;
     for (let j = w; j < count; j++) {
@@ -390,6 +392,23 @@ function num(m: Ctrl, k: string): number {
 
 const immediate = (): Promise<void> => new Promise((r) => setImmediate(r));
 
+/**
+ * ASYNC_RDMA_PERF_TRACE=1: phases on stderr with timestamps, and on SIGTERM
+ * (e.g. from `timeout`) where the run stood — for diagnosing a stuck run.
+ */
+const TRACE = !!process.env.ASYNC_RDMA_PERF_TRACE;
+const progress = { phase: "start", posted: 0, completed: 0 };
+function trace(phase: string): void {
+  progress.phase = phase;
+  if (TRACE) process.stderr.write(`[perf ${(performance.now() / 1000).toFixed(3)} s] ${phase}\n`);
+}
+if (TRACE) {
+  process.on("SIGTERM", () => {
+    process.stderr.write(`[perf] SIGTERM in phase "${progress.phase}": ${progress.posted} operations posted, ${progress.completed} completed\n`);
+    process.exit(143);
+  });
+}
+
 // --------------------------------------------------------- bandwidth core
 
 /** The library's eager limit (README: "eager ≤ 4 KiB, rendezvous RDMA READ above"). */
@@ -447,6 +466,7 @@ function pump(qps: number, depth: number, perConn: number, durationMs: number | 
       while (!stop && inflight[c]! < depth && posted[c]! < perConn) {
         posted[c]!++;
         inflight[c]!++;
+        progress.posted++;
         op(c).then(oks[c], fail);
       }
     };
@@ -458,6 +478,7 @@ function pump(qps: number, depth: number, perConn: number, durationMs: number | 
       const t = performance.now();
       stamps?.push(t);
       count++;
+      progress.completed++;
       inflight[c]!--;
       if (t >= deadline) stop = true;
       fill(c);
@@ -509,10 +530,12 @@ async function clientBw(s: Session, size: number, warm: number, iters: number): 
     }
     const depth = windowFor(o.test, size, s.txDepth);
     const perConnWarm = Math.ceil(warm / q);
+    trace(`size ${size}: warm-up (${warm})`);
     await pump(q, depth, perConnWarm, null, op, null);
     // send_bw: each connection's receiver learns where warm-up ends; otherwise only connection 0 carries control.
     for (const c of o.test === "send_bw" ? conns : [c0]) await sendCtrl(c, { type: "measure", iters });
     const stamps = new Stamps(o.duration === null ? iters * q : 1 << 16);
+    trace(`size ${size}: measure (${iters})`);
     const r = await pump(q, depth, o.duration === null ? iters : Number.MAX_SAFE_INTEGER, o.duration === null ? null : o.duration * 1000, op, stamps);
     const row = bwStats(size, r.count, r.start, stamps.a, depth * q, o.gbits);
     if (o.test === "send_bw") for (const c of conns) await sendCtrl(c, { type: "phase_end" });
@@ -556,7 +579,9 @@ async function clientLat(s: Session, size: number, warm: number, iters: number):
   const ctx = await latSetup(s, size);
   try {
     const t0 = performance.now();
+    trace(`size ${size}: warm-up (${warm})`);
     for (let i = 0; i < warm; i++) await ctx.iter(i);
+    trace(`size ${size}: measure`);
     const per = (performance.now() - t0) / Math.max(1, warm);
     const n = o.duration === null ? iters : Math.max(5, Math.ceil((o.duration * 1000) / Math.max(per, 1e-3)));
     await sendCtrl(rdma, { type: "measure", iters: n });
@@ -768,6 +793,7 @@ async function runServer(opts: PerfOptions): Promise<void> {
     else out(` Waiting for client to connect... (port ${port}, test ${o.test})`);
     const c0 = await listener.accept();
     conns.push(c0);
+    trace("accepted");
     const hello = await recvCtrl(c0, "hello");
     const problems: string[] = [];
     if (hello.protocol !== PROTOCOL) problems.push(`protocol ${String(hello.protocol)} (server ${PROTOCOL})`);
@@ -788,6 +814,7 @@ async function runServer(opts: PerfOptions): Promise<void> {
       if (m.type !== "size") throw new RdmaError("PROTOCOL", `perf: unexpected "${m.type}"`);
       const size = num(m, "size");
       const warm = num(m, "warm");
+      trace(`size ${size}`);
       let own: SizeResult | null = null;
       if (o.test === "send_bw") own = await serverSendBw(s, size);
       else if (isBw(o.test)) await recvCtrl(c0, "measure");
@@ -805,7 +832,9 @@ async function runServer(opts: PerfOptions): Promise<void> {
 
 async function runClient(o: PerfOptions): Promise<void> {
   const b = builderFor(o);
+  trace("connect");
   const c0 = await b.connect({ host: o.server!, port: o.port || DEFAULT_PORT });
+  trace("connected");
   const conns: Rdma[] = [c0];
   try {
     await sendCtrl(c0, { type: "hello", protocol: PROTOCOL, test: o.test, qps: o.qps, txDepth: o.txDepth, writeImm: o.writeImm, gbits: o.gbits });
