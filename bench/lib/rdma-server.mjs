@@ -2,6 +2,7 @@
 // A passive async-rdma server for the memory and setup benchmarks: accepts any
 // number of connections with default settings and holds them open. Run with
 // child_process.fork (IPC):
+//   → {cmd:"count"}  ← {type:"count", conns, rejected}
 //   → {cmd:"mem"}    ← {type:"mem", conns, mem: process.memoryUsage()} (after a GC when --expose-gc)
 //   → {cmd:"close"}  ← {type:"closed", conns, ms}    closes every held connection
 //   → {cmd:"exit"}
@@ -40,7 +41,8 @@ const conns = new Set();
 send({ type: "listening", port: listener.port });
 
 process.on("message", async (m) => {
-  if (m.cmd === "mem") {
+  if (m.cmd === "count") send({ type: "count", conns: conns.size, rejected: listener.rejected.length });
+  else if (m.cmd === "mem") {
     if (global.gc) {
       global.gc();
       global.gc();

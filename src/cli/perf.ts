@@ -352,7 +352,7 @@ function printRow(o: PerfOptions, role: string, provider: string, row: BwRow | L
     out(` ${String(row.bytes).padEnd(10)} ${String(row.iterations).padEnd(14)} ${row.bwPeak.toFixed(2).padStart(12)}       ${row.bwAvg.toFixed(2).padStart(12)}          ${row.msgRate.toFixed(6)}${note ? `   (${note})` : ""}`);
   } else {
     const f = (v: number): string => v.toFixed(2).padEnd(14);
-    out(` ${String(row.bytes).padEnd(7)}${String(row.iterations).padEnd(13)} ${f(row.tMin)} ${f(row.tMax)} ${f(row.tTypical)}   ${f(row.tAvg)}   ${f(row.tStdev)}   ${f(row.p99)}         ${f(row.p999)}${note ? `  (${note})` : ""}`);
+    out(` ${String(row.bytes).padEnd(7)} ${String(row.iterations).padEnd(12)} ${f(row.tMin)} ${f(row.tMax)} ${f(row.tTypical)}   ${f(row.tAvg)}   ${f(row.tStdev)}   ${f(row.p99)}         ${f(row.p999)}${note ? `  (${note})` : ""}`);
   }
 }
 
@@ -917,8 +917,9 @@ export function renderPlot(o: PerfOptions, provider: string, rows: (BwRow | LatR
   const x1 = Math.max(x0 + 1, Math.log2(Math.max(...xs, 4)));
   const y0 = Math.floor(Math.log10(Math.min(...ys, 1)));
   const y1 = Math.max(y0 + 1, Math.ceil(Math.log10(Math.max(...ys, 1))));
-  const px = (x: number): number => L + ((Math.log2(x) - x0) / (x1 - x0)) * (W - L - R);
-  const py = (y: number): number => T + (1 - (Math.log10(Math.max(y, 10 ** y0)) - y0) / (y1 - y0)) * (H - T - B);
+  const r1 = (v: number): number => Math.round(v * 10) / 10;
+  const px = (x: number): number => r1(L + ((Math.log2(x) - x0) / (x1 - x0)) * (W - L - R));
+  const py = (y: number): number => r1(T + (1 - (Math.log10(Math.max(y, 10 ** y0)) - y0) / (y1 - y0)) * (H - T - B));
   const unit = bw ? (o.gbits ? "Gb/sec" : "MB/sec") : "usec";
   const parts: string[] = [];
   parts.push(`<svg xmlns="http://www.w3.org/2000/svg" width="${W}" height="${H}" viewBox="0 0 ${W} ${H}" font-family="sans-serif" font-size="12">`);
