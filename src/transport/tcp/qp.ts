@@ -214,7 +214,7 @@ class FrameReader {
 /** First frame on an accepted socket must be HELLO naming the QP; then that QP's responder takes the stream. */
 export function acceptIncoming(device: TcpDevice, sock: net.Socket): void {
   // Streams that have not said HELLO yet are bounded: a flood of silent connections cannot pile up.
-  if (device.pendingHello >= 64) {
+  if (device.pendingHello >= 4096) {
     sock.destroy();
     return;
   }
