@@ -271,7 +271,8 @@ function bwUnit(bytesPerSec: number, gbits: boolean): number {
  * Average: bytes over first post → last completion. Peak: the best rate over
  * any stretch of max(k, 10 % of the run) consecutive completions (k = the
  * operations in flight): completions arrive in bursts (one ACK covers many
- * writes), so shorter stretches would report bursts, not bandwidth.
+ * writes), so shorter stretches would report bursts, not bandwidth. A run no
+ * longer than that reports peak = average.
  * perftest's peak is a best-case figure too.
  */
 export function bwStats(size: number, count: number, start: number, done: Float64Array, k: number, gbits: boolean): BwRow {
@@ -279,8 +280,9 @@ export function bwStats(size: number, count: number, start: number, done: Float6
   const sec = Math.max(1e-9, (end - start) / 1000);
   const avg = (size * count) / sec;
   let peak = avg;
-  const w = Math.min(Math.max(1, k, Math.ceil(count / 10)), count - 1);
-  if (w >= 1 && count > w) {
+  // With no more completions than the window, every operation was in flight at once: no stretch to judge a peak by.
+  const w = Math.max(1, k, Math.ceil(count / 10));
+  if (count > w) {
     let best = Infinity;
     for (let j = w; j < count; j++) {
       const dt = done[j]! - done[j - w]!;
