@@ -179,9 +179,11 @@ pt_runs() {
   printf '  perftest %s %s (%s runs):\n    server: %s\n    client: %s\n' "$tool" "$(label_of "$size")" "$RUNS" "$srv" "$cli" >>"$CMDS"
 }
 
+g4() { for v in "$@"; do case $v in *[0-9]*) awk -v v="$v" 'BEGIN { printf "%.4g\n", v }' ;; *) echo "$v" ;; esac; done | tr '\n' '/' | sed 's#/$##'; }
 row() { # label tool unit ours-values perftest-values errors
   o=$(median $4) p=$(median $5)
-  echo "$1|$2|$3|$o|$p|$(ratio "$o" "$p")|$(echo $4 | tr ' ' '/')|$(echo $5 | tr ' ' '/')|$6" >>"$ROWS"
+  # shellcheck disable=SC2086
+  echo "$1|$2|$3|$(g4 $o)|$(g4 $p)|$(ratio "$o" "$p")|$(g4 $4)|$(g4 $5)|$6" >>"$ROWS"
   log "  $1: ours $o, perftest $p ($3)"
 }
 
