@@ -610,9 +610,27 @@ export class TcpQueuePair implements QueuePair {
   private pump(): void {
     const sock = this.reqSock;
     if (this.state !== QpState.RTS || sock === null || this.drainWait || this.rnrWait !== null || this.pendingLocalError) return;
-    let wrote = false;
     // The ACK timer measures from the first request after an idle period, not from the last response.
     const wasIdle = this.firstSent() === null;
+    // One writev for the whole posted list: the tcp provider's "one doorbell" (per-WR corks nest inside).
+    sock.cork();
+    try {
+      this.pumpLoop(sock);
+    } finally {
+      sock.uncork();
+    }
+    if (this.wrotePending) {
+      this.wrotePending = false;
+      if (wasIdle) this.lastProgress = performance.now();
+      this.armAckTimer();
+    }
+    this.completeInOrder();
+  }
+
+  private wrotePending = false;
+
+  private pumpLoop(sock: net.Socket): void {
+    let wrote = false;
     while (this.txIdx < this.sq.length) {
       const e = this.sq[this.txIdx]!;
       if (e.state === ENTRY_DONE) {
@@ -652,11 +670,7 @@ export class TcpQueuePair implements QueuePair {
         break;
       }
     }
-    if (wrote) {
-      if (wasIdle) this.lastProgress = performance.now();
-      this.armAckTimer();
-    }
-    this.completeInOrder();
+    if (wrote) this.wrotePending = true;
   }
 
   private transmit(sock: net.Socket, e: SqEntry, isRd: boolean): boolean {
