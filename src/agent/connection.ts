@@ -175,6 +175,7 @@ export class Connection {
   private sqFifoHead = 0;
   private sinceSignal = 0;
   private ctrlQ: Pending[] = [];
+  private creditQ: Pending[] = [];
   private dataQ: Pending[] = [];
   private flushScheduled = false;
   private readonly cbuf = new CompletionBuffer(128);
@@ -298,7 +299,8 @@ export class Connection {
   }
 
   private enqueue(p: Pending): void {
-    if (p.credit === 1 || p.credit === 3) this.ctrlQ.push(p);
+    if (p.credit === 3) this.creditQ.push(p);
+    else if (p.credit === 1) this.ctrlQ.push(p);
     else this.dataQ.push(p);
     if (!this.flushScheduled) {
       this.flushScheduled = true;
@@ -332,8 +334,12 @@ export class Connection {
         room--;
       }
     };
-    take(this.ctrlQ, (p) => (p.credit === 3 ? CREDIT_RESERVE : CREDIT_RESERVE + 1));
+    // CREDIT messages first, on their own queue: they may use the last credit, and must never
+    // wait behind control or data messages that are themselves waiting for credits.
+    take(this.creditQ, () => CREDIT_RESERVE);
+    take(this.ctrlQ, () => CREDIT_RESERVE + 1);
     take(this.dataQ, (p) => (p.credit === 2 ? CREDIT_RESERVE + CTRL_RESERVE + 1 : 0));
+    if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
     if (batch.length === 0) return;
     // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
     // the send queue still drains (an unsignaled WR's slot is freed by the next signaled one).
@@ -353,11 +359,23 @@ export class Connection {
     }
   }
 
+  /**
+   * Returns credits explicitly when nothing queued will carry them soon: when
+   * the queues are empty (after a quarter of the depth piled up), or when
+   * every queued message is itself waiting for credits (then as soon as two
+   * are owed; a CREDIT message costs the peer one buffer, so this cannot
+   * ping-pong). Without the second case both sides can wait on each other.
+   */
   private maybeSendCredits(): void {
-    // Enough re-posted buffers and nothing queued to carry them: say so explicitly.
-    if (this.toReturn >= Math.max(2, this.opts.recvDepth >> 2) && this.ctrlQ.length === 0 && this.dataQ.length === 0) {
-      this.sendCtrl({ type: MsgType.CREDIT }, null, 3);
+    if (this.creditQ.length > 0 || this.toReturn < 2) return;
+    const idle = this.ctrlQ.length === 0 && this.dataQ.length === 0;
+    if (idle) {
+      if (this.toReturn >= Math.max(2, this.opts.recvDepth >> 2)) this.sendCtrl({ type: MsgType.CREDIT }, null, 3);
+      return;
     }
+    const ctrlBlocked = this.ctrlQ.length === 0 || this.credits < CREDIT_RESERVE + 1;
+    const dataBlocked = this.dataQ.length === 0 || (this.dataQ[0]!.credit === 2 && this.credits < CREDIT_RESERVE + CTRL_RESERVE + 1);
+    if (ctrlBlocked && dataBlocked) this.sendCtrl({ type: MsgType.CREDIT }, null, 3);
   }
 
   private track<T>(op: Op, signal: AbortSignal | undefined): Promise<T> {
@@ -730,7 +748,7 @@ export class Connection {
       this.sqFifoHead = 0;
     }
     this.settleSend(op, status);
-    if (this.ctrlQ.length || this.dataQ.length) this.flush();
+    if (this.creditQ.length || this.ctrlQ.length || this.dataQ.length) this.flush();
   }
 
   private settleSend(op: Op, status: number): void {
@@ -787,7 +805,7 @@ export class Connection {
       return;
     }
     this.credits += m.credits;
-    if (m.credits > 0 && (this.ctrlQ.length || this.dataQ.length)) this.flush();
+    if (m.credits > 0 && (this.creditQ.length || this.ctrlQ.length || this.dataQ.length)) this.flush();
     switch (m.type) {
       case MsgType.DATA: {
         if (byteLen - HDR !== m.a) {
@@ -951,7 +969,7 @@ export class Connection {
     this.writeImms.fail(err);
     this.localMrs.fail(err);
     this.remoteMrs.fail(err);
-    for (const p of [...this.ctrlQ.splice(0), ...this.dataQ.splice(0)]) {
+    for (const p of [...this.creditQ.splice(0), ...this.ctrlQ.splice(0), ...this.dataQ.splice(0)]) {
       p.hdr?.release();
       for (const m of p.op.mems) m.opDone();
       p.op.result?.release();

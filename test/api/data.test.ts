@@ -227,6 +227,31 @@ describe(`API data operations [${PROVIDER}]`, () => {
       for (let i = 1; i < N; i++) assert.deepEqual(all.bytes.subarray(i * 64, i * 64 + 64), pattern(64, i + 100), `write ${i}`);
     }));
 
+  it("hundreds of rendezvous messages in flight: credits never deadlock (control messages wait on credits too)", () =>
+    withApiPair(async ({ server, client }) => {
+      const N = 1000;
+      const WINDOW = 128;
+      using src = client.allocLocalMr(8192);
+      src.bytes.set(pattern(8192, 77));
+      let sent = 0;
+      const sender = (async () => {
+        const inflight = new Set<Promise<void>>();
+        while (sent < N) {
+          const p: Promise<void> = client.send(src).then(() => void inflight.delete(p));
+          inflight.add(p);
+          sent++;
+          if (inflight.size >= WINDOW) await Promise.race(inflight);
+        }
+        await Promise.all(inflight);
+      })();
+      for (let i = 0; i < N; i++) {
+        using r = await server.receive();
+        assert.equal(r.length, 8192);
+        if (i % 97 === 0) assert.deepEqual(r.bytes, pattern(8192, 77));
+      }
+      await sender;
+    }));
+
   it("disposing memory detaches its views; a registered user buffer stays the user's", () =>
     withApiPair(async ({ client }) => {
       const lmr = client.allocLocalMr(16);
