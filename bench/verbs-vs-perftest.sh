@@ -15,6 +15,7 @@
 #
 # Env: RUNS (3), BW_ITERS (2000; 1 MiB uses BW_ITERS_1M, 200), LAT_ITERS (1000),
 #      WARMUP_BW (200) / WARMUP_LAT (100): our warm-up operations per size,
+#      OURS_ARGS / OURS_SERVER_ARGS: extra `async-rdma perf` flags (e.g. "--polling busy"),
 #      SIZES ("64 4096 65536 1048576"), TESTS (all), OUT (file for the raw log).
 #
 # Emulation: the guest runs under QEMU TCG, which slows JIT-compiled code
@@ -143,8 +144,8 @@ ours_runs() {
   done
   warm=$WARMUP_BW
   case $test in *_lat) warm=$WARMUP_LAT ;; esac
-  srv="$CLI perf $test --provider verbs -d $DEV -x $GID -p 18515 --json"
-  cli="$CLI perf $test $IP --provider verbs -d $DEV -x $GID -p 18515 --json --sizes $list -n $iters --warmup $warm"
+  srv="$CLI perf $test --provider verbs -d $DEV -x $GID -p 18515 --json${OURS_SERVER_ARGS:+ $OURS_SERVER_ARGS}"
+  cli="$CLI perf $test $IP --provider verbs -d $DEV -x $GID -p 18515 --json --sizes $list -n $iters --warmup $warm${OURS_ARGS:+ $OURS_ARGS}"
   run_pair "ours $test ($list)" "$srv" "$cli"
   grep '"type":"result"' "$TMP/cli.out" >>"$TMP/ours.$test"
   [ "$CRC" = 0 ] || echo "ours rc=$CRC: $(tail -1 "$TMP/cli.out")" >>"$TMP/ours.$test.err"
