@@ -8,7 +8,7 @@
 //     how long closing them takes.
 // The server is a separate process (bench/lib/rdma-server.mjs), so each side's
 // RSS is its own.
-//   node --expose-gc bench/memory.mjs [--idle 200] [--many 1000] [--concurrency 100] [--runs 3] [--json]
+//   node --expose-gc bench/memory.mjs [--idle 200] [--many 1000] [--concurrency 50] [--runs 3] [--json]
 // Note: before 7528e49 the tcp provider dropped QP streams beyond 64 awaiting
 // HELLO, so with more handshakes in flight some connections died right after
 // setup; the default concurrency (50) stays below that, and "open at the

@@ -102,7 +102,7 @@ for (const [test, extra] of [
     (row) => row.tTypical,
   );
   results.push({ kind: "lat", what: `${test}${extra.length ? " " + extra.join(" ") : ""} 8 B`, size: 8, unit: "µs", higherIsBetter: false, ...r });
-  console.error(`  ${test}${extra.join(" ")} 8 B: ours ${fmt(r.ours)} µs, node ping-pong ${fmt(r.ref)} µs`);
+  console.error(`  ${test}${extra.length ? " " + extra.join(" ") : ""} 8 B: ours ${fmt(r.ours)} µs, node ping-pong ${fmt(r.ref)} µs`);
 }
 const secs = (performance.now() - t0) / 1000;
 
