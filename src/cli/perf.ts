@@ -413,20 +413,6 @@ if (TRACE) {
 
 // --------------------------------------------------------- bandwidth core
 
-/** The library's eager limit (README: "eager ≤ 4 KiB, rendezvous RDMA READ above"). */
-const EAGER_MAX = 4096;
-/**
- * send_bw above the eager limit: with ~96 or more rendezvous SENDs queued,
- * the agent's credit flow control deadlocks (both sides wait for credits the
- * other holds back below its CREDIT threshold; docs/performance.md). Until
- * the agent is fixed the window is capped where it was measured safe.
- */
-const RNDV_SAFE_WINDOW = 32;
-
-function windowFor(test: PerfTest, size: number, txDepth: number): number {
-  return test === "send_bw" && size > EAGER_MAX ? Math.min(txDepth, RNDV_SAFE_WINDOW) : txDepth;
-}
-
 /** A growable array of timestamps (ms) without per-sample allocation. */
 class Stamps {
   a: Float64Array;
@@ -530,7 +516,7 @@ async function clientBw(s: Session, size: number, warm: number, iters: number): 
       default:
         op = (c) => conns[c]!.send(lmr);
     }
-    const depth = windowFor(o.test, size, s.txDepth);
+    const depth = s.txDepth;
     const perConnWarm = Math.ceil(warm / q);
     trace(`size ${size}: warm-up (${warm})`);
     await pump(q, depth, perConnWarm, null, op, null);
@@ -541,7 +527,7 @@ async function clientBw(s: Session, size: number, warm: number, iters: number): 
     const r = await pump(q, depth, o.duration === null ? iters : Number.MAX_SAFE_INTEGER, o.duration === null ? null : o.duration * 1000, op, stamps);
     const row = bwStats(size, r.count, r.start, stamps.a, depth * q, o.gbits);
     if (o.test === "send_bw") for (const c of conns) await sendCtrl(c, { type: "phase_end" });
-    return depth < s.txDepth ? { row, note: `window capped at ${depth}: agent rendezvous credit deadlock` } : { row };
+    return { row };
   } finally {
     for (const r of rmrs) r.dispose();
     lmr.dispose();
