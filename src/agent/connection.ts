@@ -232,7 +232,7 @@ export class Connection {
 
   /** Starts completion processing (after connect). */
   start(): void {
-    this.cq.requestNotify();
+    if (this.opts.polling !== "busy") this.cq.requestNotify();
     this.pollNow();
     if (this.opts.keepaliveMs > 0) {
       this.keepalive = setInterval(() => this.probe(), this.opts.keepaliveMs);
@@ -357,6 +357,8 @@ export class Connection {
     } catch (e) {
       this.fail(e instanceof RdmaError ? e : new RdmaError("DEVICE", `postSend failed: ${(e as Error).message}`, { cause: e }));
     }
+    // Busy and adaptive modes watch for the completion by polling from the next turn on.
+    if (this.opts.polling !== "event") this.schedulePoll();
   }
 
   /**
@@ -666,37 +668,38 @@ export class Connection {
     if (this.polling || this.closed) return;
     this.polling = true;
     try {
-      let budget = POLL_BUDGET;
-      let n: number;
-      while (budget > 0 && (n = this.cq.poll(this.cbuf, Math.min(this.cbuf.capacity, budget))) > 0) {
-        budget -= n;
-        for (let i = 0; i < n; i++) this.onCompletion(i);
-      }
-      if (budget === 0) {
-        this.schedulePoll();
-        return;
-      }
-      if (this.opts.polling === "busy" && this.hasWork()) {
-        this.schedulePoll();
-        return;
-      }
-      if (this.opts.polling === "adaptive") {
-        // Keep polling for a short, bounded time after activity (the next completion often
-        // follows closely), then fall back to completion events.
-        const now = performance.now();
-        if (budget < POLL_BUDGET) this.lastActivity = now;
-        if (this.hasWork() && now - this.lastActivity < this.opts.spinUs / 1000) {
-          this.schedulePoll();
-          return;
-        }
-      }
-      // Arm, then poll once more: a completion between the last poll and the arm raises no event.
-      this.cq.requestNotify();
-      while ((n = this.cq.poll(this.cbuf)) > 0) for (let i = 0; i < n; i++) this.onCompletion(i);
+      this.drainCq();
     } finally {
       this.polling = false;
     }
     if (this.failure && !this.closed && this.sqOutstanding === 0 && this.recvSlots.size === 0) this.teardown();
+  }
+
+  private drainCq(): void {
+    let budget = POLL_BUDGET;
+    let n: number;
+    while (budget > 0 && (n = this.cq.poll(this.cbuf, Math.min(this.cbuf.capacity, budget))) > 0) {
+      budget -= n;
+      for (let i = 0; i < n; i++) this.onCompletion(i);
+    }
+    if (budget === 0) return this.schedulePoll();
+    if (this.opts.polling === "busy") {
+      // Busy: the CQ is never armed while the connection is open, so no completion ever
+      // takes the event path (on verbs: channel read, ack and re-arm, three syscalls).
+      return this.schedulePoll();
+    }
+    if (this.opts.polling === "adaptive") {
+      // Keep polling, unarmed, for a short bounded time after any activity (a post, a send
+      // completion or an arrival): the next completion often follows closely, and in a
+      // request/response exchange the answer arrives while nothing is outstanding here.
+      // Then fall back to completion events.
+      const now = performance.now();
+      if (budget < POLL_BUDGET) this.lastActivity = now;
+      if (now - this.lastActivity < this.opts.spinUs / 1000) return this.schedulePoll();
+    }
+    // Arm, then poll once more: a completion between the last poll and the arm raises no event.
+    this.cq.requestNotify();
+    while ((n = this.cq.poll(this.cbuf)) > 0) for (let i = 0; i < n; i++) this.onCompletion(i);
   }
 
   private schedulePoll(): void {
@@ -706,10 +709,6 @@ export class Connection {
       this.pollScheduled = false;
       this.pollNow();
     });
-  }
-
-  private hasWork(): boolean {
-    return this.sqOutstanding > 0;
   }
 
   private onCompletion(i: number): void {

@@ -152,7 +152,12 @@ export class RdmaBuilder {
     this.s.qpAccess = checkInt("access", flags, 0, 31);
     return this;
   }
-  /** "event" (completion events), "busy" (poll while work is outstanding) or "adaptive". */
+  /**
+   * "event": arm the CQ and wait for completion events (no CPU while idle).
+   * "busy": poll every event-loop turn while the connection is open, never arming the CQ
+   * (lowest latency; one core spins per process). "adaptive" (default): poll, unarmed,
+   * for `spinUs` after any activity, then arm.
+   */
   setPolling(mode: PollingMode, spinUs?: number): this {
     if (mode !== "event" && mode !== "busy" && mode !== "adaptive") throw new RdmaError("INVALID_ARGUMENT", `polling must be "event", "busy" or "adaptive", got ${String(mode)}`);
     this.s.polling = mode;
