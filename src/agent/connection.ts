@@ -76,6 +76,8 @@ const CTRL_BUF = 64;
 const POLL_BUDGET = 512;
 /** At least one signaled WR per this many, so the send queue drains under selective signaling. */
 const SIGNAL_EVERY = 32;
+/** Synchronous CQ polls after posting, per event-loop turn, in busy and adaptive modes. */
+const SYNC_POLLS = 64;
 
 type OpKind = "msg" | "write" | "read" | "atomic" | "recv";
 
@@ -182,6 +184,8 @@ export class Connection {
   private polling = false;
   private lastActivity = 0;
   private pollScheduled = false;
+  /** Synchronous polls right after a post in this event-loop turn (busy/adaptive). */
+  private syncPolls = 0;
 
   private readonly incoming: Incoming[] = [];
   private readonly recvWaiters: { resolve: (v: { mr: LocalMr; imm: number | undefined }) => void; reject: (e: unknown) => void; cleanup: () => void }[] = [];
@@ -357,8 +361,18 @@ export class Connection {
     } catch (e) {
       this.fail(e instanceof RdmaError ? e : new RdmaError("DEVICE", `postSend failed: ${(e as Error).message}`, { cause: e }));
     }
-    // Busy and adaptive modes watch for the completion by polling from the next turn on.
-    if (this.opts.polling !== "event") this.schedulePoll();
+    // Busy and adaptive modes look for the completions at once (a loopback or software device
+    // often completes inside the post; on an HCA a small message completes within
+    // microseconds), then keep polling from the next turns. At most SYNC_POLLS of these
+    // synchronous looks per event-loop turn: a chain of operations whose completions are
+    // always ready must not starve timers and I/O.
+    if (this.opts.polling !== "event") {
+      if (this.syncPolls < SYNC_POLLS) {
+        this.syncPolls++;
+        this.pollNow();
+      }
+      this.schedulePoll();
+    }
   }
 
   /**
@@ -703,10 +717,11 @@ export class Connection {
   }
 
   private schedulePoll(): void {
-    if (this.pollScheduled) return;
+    if (this.pollScheduled || this.closed) return;
     this.pollScheduled = true;
     setImmediate(() => {
       this.pollScheduled = false;
+      this.syncPolls = 0;
       this.pollNow();
     });
   }
