@@ -269,6 +269,18 @@ export class Connection {
     return this.slots.length - 1;
   }
 
+  /** Control-message buffers are recycled: no allocation, registration or detach per message. */
+  private readonly hdrFree: LocalMemory[] = [];
+
+  private takeHdr(): LocalMemory {
+    return this.hdrFree.pop() ?? new LocalMemory(this.pool, this.pool.alloc(CTRL_BUF));
+  }
+
+  private putHdr(h: LocalMemory): void {
+    if (this.closed || this.hdrFree.length >= this.opts.sendDepth) h.release();
+    else this.hdrFree.push(h);
+  }
+
   private newRecv() {
     const mem = new LocalMemory(this.pool, this.pool.alloc(HDR + this.opts.eagerMax));
     const id = this.slot(this.newOp("recv"));
@@ -293,7 +305,7 @@ export class Connection {
 
   /** Encodes a control message into a fresh small buffer and queues its SEND. */
   private sendCtrl(m: Partial<Msg> & { type: number }, op: Op | null = null, credit = 1): void {
-    const mem = new LocalMemory(this.pool, this.pool.alloc(CTRL_BUF));
+    const mem = this.takeHdr();
     const full: Msg = { flags: 0, credits: 0, imm: 0, token: 0, a: 0, b: 0, addr: 0, rkey: 0, ...m };
     const a = mem.alloc;
     const len = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), full);
@@ -422,7 +434,7 @@ export class Connection {
     if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
     if (len <= this.peer.eagerMax) {
       const op = this.newOp("msg");
-      const hdr = new LocalMemory(this.pool, this.pool.alloc(CTRL_BUF));
+      const hdr = this.takeHdr();
       const a = hdr.alloc;
       encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.DATA, flags: imm === undefined ? 0 : 1, credits: 0, imm: imm ?? 0, token: 0, a: len, b: 0, addr: 0, rkey: 0 });
       op.hdr = hdr;
@@ -466,7 +478,7 @@ export class Connection {
       op.then = (ok) => {
         if (!ok) this.rndvOut.get(token)?.reject(this.failure ?? new RdmaError("CONNECTION_CLOSED", "send failed"));
       };
-      const hdr = new LocalMemory(this.pool, this.pool.alloc(CTRL_BUF));
+      const hdr = this.takeHdr();
       const a = hdr.alloc;
       const n = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.RNDV, flags: 0, credits: 0, imm: imm ?? 0, token, a: len, b: imm === undefined ? 0 : 1, addr: mr.addr, rkey: mr.rkey });
       op.hdr = hdr;
@@ -767,7 +779,7 @@ export class Connection {
 
   private settleSend(op: Op, status: number): void {
     this.sqOutstanding--;
-    if (op.hdr) op.hdr.release();
+    if (op.hdr) this.putHdr(op.hdr);
     for (const m of op.mems) m.opDone();
     if (op.signal && op.onAbort) op.signal.removeEventListener("abort", op.onAbort);
     if (status === WcStatus.SUCCESS) {
@@ -1033,6 +1045,7 @@ export class Connection {
     }
     for (const m of this.recvSlots.values()) m.release();
     this.recvSlots.clear();
+    for (const h of this.hdrFree.splice(0)) h.release();
     this.cq.onNotify = null;
     this.qp.onEvent = null;
     this.onClosed();
