@@ -223,6 +223,14 @@ for test in $TESTS; do
   esac
 done
 
+# node's own floor per operation (bench/lib/verbs-floor.mjs: seam only, synchronous post + busy poll)
+FLOOR=""
+case " $TESTS " in *_lat*)
+  log "floor: node bench/lib/verbs-floor.mjs --device $DEV --gid-index $GID --iters $LAT_ITERS"
+  FLOOR=$(timeout "${PAIR_TIMEOUT:-900}" node bench/lib/verbs-floor.mjs --device "$DEV" --gid-index "$GID" --iters "$LAT_ITERS" 2>&1) || log "  floor failed: $FLOOR"
+  ;;
+esac
+
 T1=$(date +%s)
 echo
 echo "## async-rdma (verbs provider) vs perftest — Soft-RoCE guest ($DEV, layout ${SOFTROCE_LAYOUT:-?})"
@@ -233,6 +241,15 @@ echo "| test | perftest tool | unit | ours | perftest | ours / perftest | ours r
 echo "|---|---|---|---|---|---|---|---|---|"
 awk -F'|' '{ printf "|"; for (i = 1; i <= NF; i++) printf " %s |", $i; print "" }' "$ROWS"
 echo
+if [ -n "$FLOOR" ]; then
+  echo "node's floor in this guest (\`node bench/lib/verbs-floor.mjs --device $DEV --gid-index $GID --iters $LAT_ITERS\`: one WR posted through the seam and busy-polled in a synchronous loop, both QPs in one process; no agent, no promises, no event loop):"
+  echo
+  echo "| operation (8 B) | post + completion, µs median | of which the post call, µs |"
+  echo "|---|---|---|"
+  printf '%s\n' "$FLOOR" | grep '"type":"floor"' | sed -n 's/.*"op":"\([a-z_]*\)".*"usecMedian":\([0-9.eE+-]*\)\(,"postUsecMedian":\([0-9.eE+-]*\)\)\{0,1\}.*/\1 \2 \4/p' |
+    awk '{ printf "| %s | %.4g | %s |\n", $1, $2, ($3 == "" ? "" : sprintf("%.4g", $3)) }'
+  echo
+fi
 set -- $GUEST_CAL
 echo "calibration (best of 3): the same integer loop as JS ${1} ms and as C ${2} ms; md5sum of 64 MiB ${3} ms (guest)"
 if [ -n "${HOST_CAL:-}" ]; then
