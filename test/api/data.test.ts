@@ -6,7 +6,8 @@ import { describe, it } from "node:test";
 import assert from "node:assert/strict";
 import { RdmaError, RemoteMr } from "../../src/index.js";
 import { RemoteLease } from "../../src/memory/mr.js";
-import { PROVIDER, eventually, pattern, until, withApiPair } from "../support/api.js";
+import { PROVIDER, apiPair, eventually, pattern, until, withApiPair } from "../support/api.js";
+import type { RdmaBuilder } from "../../src/index.js";
 import { SLOW } from "../support/seam.js";
 
 function code(c: string) {
@@ -35,6 +36,48 @@ describe(`API data operations [${PROVIDER}]`, () => {
       await Promise.all(sends);
       for (const m of sent) m.dispose();
     }));
+
+  for (const [mode, spinUs] of [["event", undefined], ["busy", undefined], ["adaptive", 0], ["adaptive", 1_000_000]] as const) {
+    it(`polling ${mode}${spinUs === undefined ? "" : ` (spinUs ${spinUs})`}: the same traffic completes, and nothing keeps polling after close`, async () => {
+      const cfg = (b: RdmaBuilder) => b.setPolling(mode, spinUs);
+      const { server, client, close } = await apiPair({ server: cfg, client: cfg });
+      try {
+        // Many sends issued in one tick (one posted list), a rendezvous message, and one-sided ops.
+        const msgs = Array.from({ length: 300 }, (_, i) => {
+          const m = client.allocLocalMr(i === 150 ? 20_000 : 1 + (i % 64));
+          m.bytes.set(pattern(m.length, i + 1));
+          return m;
+        });
+        const sends = msgs.map((m) => client.send(m));
+        for (let i = 0; i < msgs.length; i++) {
+          using got = await server.receive();
+          assert.deepEqual(got.bytes, pattern(msgs[i]!.length, i + 1), `message ${i}`);
+        }
+        await Promise.all(sends);
+        for (const m of msgs) m.dispose();
+        const rmr = await client.requestRemoteMr(72);
+        using l = client.allocLocalMr(64);
+        l.bytes.set(pattern(64, 9));
+        await client.write(l, rmr.slice(0, 64));
+        using back = client.allocLocalMr(64);
+        await client.read(back, rmr.slice(0, 64));
+        assert.deepEqual(back.bytes, pattern(64, 9));
+        const w = rmr.slice(64, 72);
+        for (let i = 0; i < 50; i++) assert.equal(await client.fetchAndAdd(w, 1n), BigInt(i));
+        rmr.dispose();
+      } finally {
+        await close();
+      }
+      // Busy and adaptive polling reschedule themselves with setImmediate while a connection is
+      // open; once both are closed no Immediate may remain (checked from timer callbacks, which
+      // themselves schedule none).
+      const end = performance.now() + 2000 * SLOW;
+      while (process.getActiveResourcesInfo().includes("Immediate")) {
+        assert.ok(performance.now() < end, `an Immediate is still scheduled after close (${process.getActiveResourcesInfo().join(", ")})`);
+        await new Promise((r) => setTimeout(r, 1));
+      }
+    });
+  }
 
   it("sendWithImm / receiveWithImm resolve to { mr, imm }; plain send has imm undefined", () =>
     withApiPair(async ({ server, client }) => {
