@@ -289,11 +289,42 @@ export class Connection {
     return { wrId: id, sgList: [{ addr: a.addr, length: a.length, lkey: a.mr.lkey }] };
   }
 
+  /** Receives re-posted while draining the CQ: posted as one list when the drain ends. */
+  private recvBatch: { wrId: number; sgList: { addr: number; length: number; lkey: number }[] }[] = [];
+
   private repostRecv(): void {
     if (this.failure || this.closed) return;
-    this.qp.postRecv([this.newRecv()]);
-    this.toReturn++;
+    this.recvBatch.push(this.newRecv());
+    if (!this.polling) this.postRecvBatch();
+  }
+
+  /** Posts the batched receives (one postRecv), and only then counts them as credits to return. */
+  private postRecvBatch(): void {
+    const batch = this.recvBatch;
+    if (batch.length === 0) return;
+    this.recvBatch = [];
+    if (this.failure || this.closed) {
+      for (const r of batch) this.dropRecv(r.wrId);
+      return;
+    }
+    try {
+      this.qp.postRecv(batch);
+    } catch (e) {
+      for (const r of batch) this.dropRecv(r.wrId);
+      this.fail(e instanceof RdmaError ? e : new RdmaError("DEVICE", `postRecv failed: ${(e as Error).message}`, { cause: e }));
+      return;
+    }
+    this.toReturn += batch.length;
     this.maybeSendCredits();
+  }
+
+  /** A receive that was never posted: free its slot and buffer. */
+  private dropRecv(id: number): void {
+    const mem = this.recvSlots.get(id);
+    this.recvSlots.delete(id);
+    mem?.release();
+    this.slots[id] = null;
+    this.freeSlots.push(id);
   }
 
   // ---------------------------------------------------------------- posting
@@ -698,6 +729,7 @@ export class Connection {
     } finally {
       this.polling = false;
     }
+    this.postRecvBatch();
     if (this.failure && !this.closed && this.sqOutstanding === 0 && this.recvSlots.size === 0) this.teardown();
   }
 
