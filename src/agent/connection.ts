@@ -410,7 +410,9 @@ export class Connection {
     // synchronous looks per event-loop turn: a chain of operations whose completions are
     // always ready must not starve timers and I/O.
     if (this.opts.polling !== "event") {
-      if (this.syncPolls < SYNC_POLLS) {
+      // Only when nothing else was outstanding (a request/response step): with a window in
+      // flight the poll loop is already running and an extra poll per post only costs.
+      if (this.sqOutstanding === batch.length && this.syncPolls < SYNC_POLLS) {
         this.syncPolls++;
         this.pollNow();
       }
