@@ -52,6 +52,12 @@ const KINDS: { name: string; f: HeaderFields }[] = [
   { name: "WRITE", f: { ...base, type: FrameType.WRITE, payloadLen: MAX_MESSAGE, rkey: 0x89abcdef, raddr: 0x7f0012345678 } },
   { name: "WRITE_WITH_IMM", f: { ...base, type: FrameType.WRITE, flags: FrameFlags.IMM, payloadLen: 8, rkey: 0x1234, raddr: 2 ** 53 - 1, imm: 0x01020304 } },
   { name: "READ_REQ", f: { ...base, type: FrameType.READ_REQ, rkey: 0xffffffff, raddr: 0x100000000, aux: MAX_MESSAGE } },
+  { name: "SEND with a piggybacked ACK", f: { ...base, type: FrameType.SEND, flags: FrameFlags.ACK, payloadLen: 8, op2: 0x00fedcban } },
+  {
+    name: "WRITE_WITH_IMM (solicited) with a piggybacked ACK",
+    f: { ...base, type: FrameType.WRITE, flags: FrameFlags.IMM | FrameFlags.SOLICITED | FrameFlags.ACK, payloadLen: 8, rkey: 0x55, raddr: 0x1000, imm: 7, op2: 0x00ffffffn },
+  },
+  { name: "READ_REQ with a piggybacked ACK", f: { ...base, type: FrameType.READ_REQ, flags: FrameFlags.ACK, rkey: 0x66, raddr: 0x2000, aux: 64, op2: 0n } },
   {
     name: "ATOMIC CAS",
     f: { ...base, type: FrameType.ATOMIC, rkey: 0x4242, raddr: 0x7f0000001000, aux: 0, op1: 0x0102030405060708n, op2: 0xf1f2f3f4f5f6f7f8n },
@@ -155,8 +161,15 @@ describe("tcp wire codec", () => {
       { name: "type 0", make: () => encode({ ...base, type: 0 as FrameType }), reason: /unknown frame type 0/ },
       { name: "type 9", make: () => encode({ ...base, type: 9 as FrameType }), reason: /unknown frame type 9/ },
       { name: "type 255", make: () => encode({ ...base, type: 255 as FrameType }), reason: /unknown frame type 255/ },
-      { name: "unknown flag bit 2", make: () => encode({ ...base, flags: 4 }), reason: /unknown flags 0x4/ },
+      { name: "unknown flag bit 3", make: () => encode({ ...base, flags: 8 }), reason: /unknown flags 0x8/ },
       { name: "unknown flag bit 7", make: () => encode({ ...base, flags: 0x83 }), reason: /unknown flags 0x83/ },
+      ...[FrameType.HELLO, FrameType.ATOMIC, FrameType.ACK, FrameType.READ_RESP, FrameType.ATOMIC_RESP].map((type) => ({
+        name: `ACK flag on frame type ${type}`,
+        make: () => encode({ ...base, type, flags: FrameFlags.ACK }),
+        reason: new RegExp(`ACK flag on frame type ${type}`),
+      })),
+      { name: "piggybacked ACK PSN 2^24", make: () => encode({ ...base, flags: FrameFlags.ACK, op2: 0x1000000n }), reason: /piggybacked ACK PSN 0x1000000 exceeds 24 bits/ },
+      { name: "piggybacked ACK PSN 2^64-1", make: () => encode({ ...base, type: FrameType.WRITE, flags: FrameFlags.ACK, op2: 2n ** 64n - 1n }), reason: /exceeds 24 bits/ },
       ...[FrameType.HELLO, FrameType.READ_REQ, FrameType.ATOMIC, FrameType.ACK, FrameType.ATOMIC_RESP].map((type) => ({
         name: `payload on no-payload type ${type}`,
         make: () => encode({ ...base, type, payloadLen: 1 }),
@@ -186,7 +199,7 @@ describe("tcp wire codec", () => {
       });
     }
 
-    it("the boundaries are accepted: payload 2^31, raddr 2^53-1, atomic op 1, syndrome NAK_REM_OP, read length 2^31", () => {
+    it("the boundaries are accepted: payload 2^31, raddr 2^53-1, atomic op 1, syndrome NAK_REM_OP, read length 2^31, ACK PSN 2^24-1", () => {
       for (const f of [
         { ...base, type: FrameType.WRITE, payloadLen: MAX_MESSAGE },
         { ...base, type: FrameType.WRITE, raddr: 2 ** 53 - 1 },
@@ -194,6 +207,9 @@ describe("tcp wire codec", () => {
         { ...base, type: FrameType.ACK, aux: Syndrome.NAK_REM_OP },
         { ...base, type: FrameType.READ_REQ, aux: MAX_MESSAGE },
         { ...base, flags: FrameFlags.IMM | FrameFlags.SOLICITED },
+        { ...base, flags: FrameFlags.IMM | FrameFlags.SOLICITED | FrameFlags.ACK, op2: 0xffffffn },
+        // Without the flag operand2 of a SEND is not an ACK PSN and is not checked.
+        { ...base, op2: 2n ** 64n - 1n },
       ] as HeaderFields[]) {
         const { err, h } = decode(encode(f));
         assert.equal(err, null, `${JSON.stringify(f, (_, v) => (typeof v === "bigint" ? String(v) : v))}: ${err}`);
@@ -211,7 +227,11 @@ describe("tcp wire codec", () => {
       assert.equal(b[0], MAGIC, ctx);
       assert.equal(b[1], VERSION, ctx);
       assert.ok(h.type >= FrameType.HELLO && h.type <= FrameType.ATOMIC_RESP, `${ctx}: type ${h.type}`);
-      assert.equal(h.flags & ~3, 0, ctx);
+      assert.equal(h.flags & ~7, 0, ctx);
+      if (h.flags & FrameFlags.ACK) {
+        assert.ok(h.type === FrameType.SEND || h.type === FrameType.WRITE || h.type === FrameType.READ_REQ, `${ctx}: ACK flag on type ${h.type}`);
+        assert.ok(h.op2 <= 0xffffffn, `${ctx}: ACK PSN ${h.op2}`);
+      }
       assert.ok(h.payloadLen <= MAX_MESSAGE, ctx);
       assert.ok(Number.isSafeInteger(h.raddr) && h.raddr >= 0, ctx);
       const noPayload = [FrameType.HELLO, FrameType.READ_REQ, FrameType.ATOMIC, FrameType.ACK, FrameType.ATOMIC_RESP] as number[];
@@ -255,7 +275,7 @@ describe("tcp wire codec", () => {
           b[0] = MAGIC;
           b[1] = VERSION;
           b[2] = 1 + (b[2]! % 8);
-          b[3]! &= 3;
+          b[3]! &= 7;
           b[16] = 0;
           b[17]! &= 0x1f;
         }

@@ -5,7 +5,9 @@
  * Each QP uses two TCP streams: the one it dials carries its requests and the
  * peer's responses to them; the one the peer dials carries the peer's
  * requests and this QP's responses. (RC orders each direction independently,
- * so two streams lose nothing and need no tie-break on who dials.)
+ * so two streams lose nothing and need no tie-break on who dials.) A request
+ * may also carry the sender's cumulative ACK for the peer's requests (flag
+ * ACK below), so acknowledgements can travel on either stream.
  *
  * Every frame is a fixed 48-byte header followed by `payloadLen` bytes:
  *
@@ -14,7 +16,7 @@
  * | 0   | 1    | magic      | 0xRD = 0xD7                                                    |
  * | 1   | 1    | version    | 1                                                              |
  * | 2   | 1    | type       | FrameType                                                      |
- * | 3   | 1    | flags      | bit0 IMM present, bit1 SOLICITED                               |
+ * | 3   | 1    | flags      | bit0 IMM present, bit1 SOLICITED, bit2 ACK (piggybacked ACK)   |
  * | 4   | 4    | psn        | packet sequence number of the request (24 bits used)           |
  * | 8   | 4    | payloadLen | bytes after the header                                         |
  * | 12  | 4    | rkey       | WRITE/READ/ATOMIC target key                                   |
@@ -22,9 +24,18 @@
  * | 24  | 4    | imm        | immediate data, big-endian as verbs carries it                 |
  * | 28  | 4    | aux        | READ: length; ATOMIC: 0 CAS / 1 FADD; ACK: syndrome; HELLO: dstQp |
  * | 32  | 8    | operand1   | ATOMIC: compare or add; ATOMIC_RESP: original value; HELLO: srcQp |
- * | 40  | 8    | operand2   | ATOMIC: swap; ACK with RNR: the RNR timer code                 |
+ * | 40  | 8    | operand2   | ATOMIC: swap; ACK with RNR: the RNR timer code; flag ACK: PSN  |
  *
  * All multi-byte fields are big-endian (network order).
+ *
+ * Piggybacked ACK (flag bit2, SEND / WRITE / READ_REQ only, never ATOMIC,
+ * whose operand2 is the swap value): operand2 (< 2^24) carries the cumulative
+ * ACK PSN of the reverse direction, exactly what a standalone ACK frame with
+ * syndrome 0 would say, so a ping-pong hop costs one frame instead of two.
+ * It travels on the other stream than the responses it acknowledges past, so
+ * it may overtake a READ_RESP or ATOMIC_RESP still in flight: the receiver
+ * completes nothing past an unanswered READ/ATOMIC until its response
+ * arrives. Setting it is optional for senders; receivers must honour it.
  */
 
 export const MAGIC = 0xd7;
@@ -45,7 +56,13 @@ export const FrameType = {
 } as const;
 export type FrameType = (typeof FrameType)[keyof typeof FrameType];
 
-export const FrameFlags = { IMM: 1, SOLICITED: 2 } as const;
+export const FrameFlags = {
+  IMM: 1,
+  SOLICITED: 2,
+  /** operand2 carries the cumulative ACK PSN of the reverse direction (SEND, WRITE, READ_REQ only). */
+  ACK: 4,
+} as const;
+const KNOWN_FLAGS = FrameFlags.IMM | FrameFlags.SOLICITED | FrameFlags.ACK;
 
 /** ACK syndromes (IB AETH, by name). */
 export const Syndrome = {
@@ -133,7 +150,11 @@ export function decodeHeader(b: Uint8Array, off: number, h: FrameHeader): string
   h.aux = dv.getUint32(28);
   h.op1 = dv.getBigUint64(32);
   h.op2 = dv.getBigUint64(40);
-  if (h.flags & ~3) return `unknown flags 0x${h.flags.toString(16)}`;
+  if (h.flags & ~KNOWN_FLAGS) return `unknown flags 0x${h.flags.toString(16)}`;
+  if (h.flags & FrameFlags.ACK) {
+    if (h.type !== FrameType.SEND && h.type !== FrameType.WRITE && h.type !== FrameType.READ_REQ) return `ACK flag on frame type ${h.type} (only SEND, WRITE and READ_REQ carry a piggybacked ACK)`;
+    if (h.op2 > 0xffffffn) return `piggybacked ACK PSN 0x${h.op2.toString(16)} exceeds 24 bits`;
+  }
   if (h.payloadLen > MAX_MESSAGE) return `payload length ${h.payloadLen} exceeds 2^31`;
   switch (h.type) {
     case FrameType.HELLO:
