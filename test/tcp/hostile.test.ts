@@ -32,7 +32,7 @@ import {
   type QueuePair,
   type WorkCompletion,
 } from "../../src/transport/types.js";
-import { tcpProvider } from "../../src/transport/tcp/index.js";
+import { tcpProvider, type TcpQueuePair } from "../../src/transport/tcp/index.js";
 import {
   FrameFlags,
   FrameType,
@@ -1102,6 +1102,176 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
         await fatal(p, /skips the response/);
         await outstandingCompletions(p, WcStatus.BAD_RESP_ERR);
         assertSentinels(p);
+      }));
+  });
+
+  describe("piggybacked ACKs (flag ACK on the impostor's requests)", () => {
+    const stats = (p: FakePeer) => (p.qp as unknown as TcpQueuePair).stats;
+    /** A zero-length WRITE from the impostor (no rkey check for zero length), carrying `ack` as a piggybacked ACK. */
+    const ackingWrite = (p: FakePeer, ack: number): Buffer => hdr(FrameType.WRITE, { psn: nextPsn(p), flags: FrameFlags.ACK, op2: BigInt(ack) });
+
+    it("a standalone ACK for a PSN never sent: BAD_RESP_ERR, QP_FATAL naming it", () =>
+      withFakePeer(async (p) => {
+        await outstanding(p);
+        // The QP sent qPsn and qPsn+1: qPsn+2 is the first PSN it never sent.
+        p.inS.write(hdr(FrameType.ACK, { psn: (p.qPsn + 2) & PSN_MASK }));
+        await fatal(p, /requester stream: ACK for PSN \d+, which was never sent/);
+        await outstandingCompletions(p, WcStatus.BAD_RESP_ERR);
+        await streamsClosed(p);
+        assertSentinels(p);
+      }));
+
+    for (const [name, delta] of [
+      ["the first PSN never sent", 2],
+      ["half the PSN space ahead", 0x800000],
+    ] as const) {
+      it(`a piggybacked ACK for ${name}: BAD_RESP_ERR, QP_FATAL naming it, no crash`, () =>
+        withFakePeer(async (p) => {
+          await outstanding(p);
+          p.outS.write(ackingWrite(p, (p.qPsn + delta) & PSN_MASK));
+          await fatal(p, /responder stream: piggybacked ACK for PSN \d+, which was never sent/);
+          await outstandingCompletions(p, WcStatus.BAD_RESP_ERR);
+          await streamsClosed(p);
+          assertSentinels(p);
+        }));
+    }
+
+    it("the ACK flag on an ATOMIC (operand2 is its swap value): QP_FATAL, the atomic is not executed", () =>
+      withFakePeer(async (p) => {
+        await outstanding(p);
+        p.outS.write(hdr(FrameType.ATOMIC, { psn: nextPsn(p), flags: FrameFlags.ACK, rkey: p.target.rkey, raddr: p.target.addr, aux: 0, op1: 0n, op2: BigInt(p.qPsn) }));
+        await fatal(p, /responder.*ACK flag on frame type 5/);
+        await outstandingCompletions(p, WcStatus.WR_FLUSH_ERR);
+        await streamsClosed(p);
+        assertSentinels(p);
+      }));
+
+    it("a piggybacked ACK completes the QP's SEND and WRITE like a standalone ACK (old ones are ignored)", () =>
+      withFakePeer(async (p) => {
+        await outstanding(p);
+        p.outS.write(ackingWrite(p, (p.qPsn - 5) & PSN_MASK));
+        p.outS.write(ackingWrite(p, p.qPsn));
+        const [a] = await waitCompletions(p.side, 1);
+        assert.equal(statuses([a!]), "1:SUCCESS");
+        p.outS.write(ackingWrite(p, (p.qPsn - 1) & PSN_MASK));
+        p.outS.write(ackingWrite(p, (p.qPsn + 1) & PSN_MASK));
+        const [b] = await waitCompletions(p.side, 1);
+        assert.equal(statuses([b!]), "2:SUCCESS");
+        // The QP had nothing to send back: its ACK for our four WRITEs comes alone, cumulative.
+        let ack = await p.outS.next("the QP's ACK");
+        while (ack.h.psn !== ((p.myPsn - 1) & PSN_MASK)) ack = await p.outS.next("the QP's cumulative ACK");
+        assert.equal(ack.h.type, FrameType.ACK);
+        assert.equal(stats(p).piggybackedAcksReceived, 4);
+        assert.equal(p.qp.state, QpState.RTS);
+        assert.deepEqual(p.events, []);
+        assertSentinels(p);
+      }));
+
+    /** READ (wrId 1, 256 B into local[1024, 1280)), SEND (2), FADD (3, into local[2048, 2056)), SEND (4): the request frames. */
+    async function readAtomicMix(p: FakePeer): Promise<Frame[]> {
+      p.qp.postSend([
+        { wrId: 1, opcode: WrOpcode.RDMA_READ, flags: SendFlags.SIGNALED, sgList: [sge(p.local, 1024, 256)], remoteAddr: 0x9000, rkey: 0x99 },
+        { wrId: 2, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [sge(p.local, 0, 16)] },
+        { wrId: 3, opcode: WrOpcode.ATOMIC_FETCH_AND_ADD, flags: SendFlags.SIGNALED, sgList: [sge(p.local, 2048, 8)], remoteAddr: 0xa000, rkey: 0x9a, compareAdd: 1n },
+        { wrId: 4, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [sge(p.local, 16, 16)] },
+      ]);
+      const frames: Frame[] = [];
+      for (const t of [FrameType.READ_REQ, FrameType.SEND, FrameType.ATOMIC, FrameType.SEND]) {
+        const f = await p.inS.next(`request of type ${t}`);
+        assert.equal(f.h.type, t);
+        frames.push(f);
+      }
+      return frames;
+    }
+
+    it("a piggybacked ACK that overtakes a READ_RESP and an ATOMIC_RESP: nothing completes past them until each arrives, then all in order", () =>
+      withFakePeer(async (p) => {
+        const [read, , atomic, last] = await readAtomicMix(p);
+        // Acknowledges everything, though neither response has been sent: it overtook them.
+        const w = p.myPsn;
+        p.outS.write(ackingWrite(p, last!.h.psn));
+        // The QP's ACK for our WRITE is written after the piggybacked ACK was applied.
+        const ack = await p.outS.next("the QP's ACK of our WRITE");
+        assert.equal(ack.h.psn, w);
+        assert.equal(stats(p).piggybackedAcksReceived, 1);
+        assert.equal(p.side.cq.poll(p.side.buf), 0, "nothing completes before the READ's data is in");
+        assert.equal(p.qp.state, QpState.RTS, `no protocol error: ${JSON.stringify(p.events)}`);
+
+        p.inS.write(hdr(FrameType.READ_RESP, { psn: read!.h.psn, payloadLen: 256 }), Buffer.alloc(256, 0xc3));
+        const first = await waitCompletions(p.side, 2);
+        assert.equal(statuses(first), "1:SUCCESS 2:SUCCESS", "the READ, then the SEND the earlier piggybacked ACK covered");
+        assert.ok(bytes(p.local).subarray(1024, 1280).every((x) => x === 0xc3));
+        assert.equal(p.side.cq.poll(p.side.buf), 0, "the SEND after the atomic waits for the atomic's response");
+
+        p.inS.write(hdr(FrameType.ATOMIC_RESP, { psn: atomic!.h.psn, op1: 41n }));
+        const second = await waitCompletions(p.side, 2);
+        assert.equal(statuses(second), "3:SUCCESS 4:SUCCESS");
+        assert.equal(new DataView(p.local.buffer, p.local.offset).getBigUint64(2048, true), 41n);
+        assert.equal(p.qp.state, QpState.RTS);
+        assert.deepEqual(p.events, []);
+        assertSentinels(p, [[p.local, [1024, 2056]]]);
+      }));
+
+    it("a READ_RESP that arrives before the piggybacked ACK covering it: the later ACK completes the rest", () =>
+      withFakePeer(async (p) => {
+        const [read, send, atomic, last] = await readAtomicMix(p);
+        p.inS.write(hdr(FrameType.READ_RESP, { psn: read!.h.psn, payloadLen: 256 }), Buffer.alloc(256, 0x3c));
+        assert.equal(statuses(await waitCompletions(p.side, 1)), "1:SUCCESS");
+        p.outS.write(ackingWrite(p, send!.h.psn));
+        assert.equal(statuses(await waitCompletions(p.side, 1)), "2:SUCCESS");
+        p.inS.write(hdr(FrameType.ATOMIC_RESP, { psn: atomic!.h.psn, op1: 7n }));
+        assert.equal(statuses(await waitCompletions(p.side, 1)), "3:SUCCESS");
+        p.outS.write(ackingWrite(p, last!.h.psn));
+        assert.equal(statuses(await waitCompletions(p.side, 1)), "4:SUCCESS");
+        assert.deepEqual(p.events, []);
+      }));
+
+    it("a piggybacked ACK on a request the QP discards (while its RNR NAK is pending) still completes the QP's work", () =>
+      withFakePeer(async (p) => {
+        // No receive posted: our SEND gets an RNR NAK, and the QP discards what follows until we resend it.
+        const s1 = nextPsn(p);
+        p.outS.write(hdr(FrameType.SEND, { psn: s1, payloadLen: 4 }), Buffer.alloc(4, 0xee));
+        const nak = await p.outS.next("RNR NAK");
+        assert.equal(nak.h.aux, Syndrome.RNR_NAK);
+        assert.equal(nak.h.psn, s1);
+        p.qp.postSend([{ wrId: 1, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [sge(p.local, 0, 8)] }]);
+        const send = await p.inS.next("the QP's SEND");
+        // A request the QP must discard (it is not the NAKed PSN), carrying the ACK for the QP's SEND.
+        p.outS.write(hdr(FrameType.SEND, { psn: nextPsn(p), payloadLen: 4, flags: FrameFlags.ACK, op2: BigInt(send.h.psn) }), Buffer.alloc(4, 0xee));
+        const [wc] = await waitCompletions(p.side, 1);
+        assert.equal(statuses([wc!]), "1:SUCCESS");
+        assert.equal(p.qp.state, QpState.RTS);
+        assertSentinels(p);
+      }));
+
+    it("the ACK the QP owes is sent alone when its next request cannot go out (waiting out an RNR timer)", () =>
+      withFakePeer(async (p) => {
+        p.qp.postSend([{ wrId: 1, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [sge(p.local, 0, 8)] }]);
+        const send = await p.inS.next("the QP's SEND");
+        // RNR timer code 0 = 655 ms: the QP holds its send queue that long.
+        p.inS.write(hdr(FrameType.ACK, { psn: send.h.psn, aux: Syndrome.RNR_NAK, op2: 0n }));
+        await p.w.until(() => (p.qp as unknown as { rnrWait: unknown }).rnrWait !== null, "the QP to wait out the RNR timer", DEADLINE_MS, 1);
+        // Our WRITE_WITH_IMM completes a receive; the QP answers with a SEND in the same event-loop turn (before
+        // the turn's standalone ACK would go out), but the SEND cannot go out yet: the ACK must not ride on it.
+        p.qp.postRecv([{ wrId: 100, sgList: [sge(p.recvBuf, 0, 8)] }]);
+        const w = nextPsn(p);
+        p.outS.write(hdr(FrameType.WRITE, { psn: w, flags: FrameFlags.IMM, imm: 5, payloadLen: 8, rkey: p.target.rkey, raddr: p.target.addr }), Buffer.alloc(8, 0xee));
+        const [rc] = await waitCompletions(p.side, 1);
+        p.qp.postSend([{ wrId: 2, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [sge(p.local, 8, 8)] }]);
+        assert.equal(rc!.wrId, 100);
+        assert.equal(stats(p).acks, 1, "only the ping's ACK has gone out so far (the new one is still owed)");
+        const ack = await p.outS.next("the QP's standalone ACK of our WRITE");
+        assert.equal(ack.h.type, FrameType.ACK);
+        assert.equal(ack.h.aux, Syndrome.ACK);
+        assert.equal(ack.h.psn, w);
+        assert.equal(p.qp.state, QpState.RTS);
+        // The resent SEND and the queued one follow after the timer, without an ACK to carry.
+        const again = await p.inS.next("the resent SEND");
+        const next = await p.inS.next("the queued SEND");
+        assert.equal(again.h.psn, send.h.psn);
+        assert.equal(again.h.flags & FrameFlags.ACK, 0);
+        assert.equal(next.h.flags & FrameFlags.ACK, 0);
+        assertSentinels(p, [[p.target, [0, 8]]]);
       }));
   });
 });

@@ -8,6 +8,7 @@ import type { Device, DeviceInfo, Provider, TcpDeviceOptions } from "../types.js
 import { TcpDevice } from "./device.js";
 
 export { TcpDevice } from "./device.js";
+export { TcpQueuePair, type TcpQpStats } from "./qp.js";
 
 export const tcpProvider: Provider = {
   name: "tcp",

@@ -40,6 +40,12 @@ import {
 import { TcpMr, TcpMw, type TcpCq, type TcpDevice, type TcpPd } from "./device.js";
 
 const PSN_MASK = 0xffffff;
+/**
+ * A piggybacked ACK rides on a request only while the requester stream has at
+ * most this much queued before it: behind a long queue it would reach the peer
+ * later than a standalone ACK on the idle response stream.
+ */
+const PIGGYBACK_MAX_QUEUED = 64 * 1024;
 const ENTRY_QUEUED = 0;
 const ENTRY_SENT = 1;
 const ENTRY_DONE = 2;
@@ -79,6 +85,24 @@ interface SqEntry {
 interface RqEntry {
   wrId: number;
   sges: Sge[];
+}
+
+/** Frame counters of one tcp QP (for tests and benchmarks; not part of the seam). */
+export interface TcpQpStats {
+  /** Request frames written: SEND, WRITE, READ_REQ, ATOMIC (retransmissions after an RNR NAK included). */
+  readonly requests: number;
+  /** Standalone ACK frames (syndrome ACK) written by the responder. */
+  readonly acks: number;
+  /** Requests written that carried a piggybacked ACK. */
+  readonly piggybackedAcks: number;
+  /** Piggybacked ACKs received on the responder stream. */
+  readonly piggybackedAcksReceived: number;
+  /** Received piggybacked ACKs that overtook a READ/ATOMIC response and were held until it arrived. */
+  readonly piggybackedAcksHeld: number;
+}
+
+function isReadOrAtomic(opcode: number): boolean {
+  return opcode === WrOpcode.RDMA_READ || opcode === WrOpcode.ATOMIC_CMP_AND_SWP || opcode === WrOpcode.ATOMIC_FETCH_AND_ADD;
 }
 
 const WC_OF_WR: Record<number, number> = {
@@ -282,6 +306,12 @@ export class TcpQueuePair implements QueuePair {
   private ackTimer: NodeJS.Timeout | null = null;
   private lastProgress = 0;
   private respTargetEntry: SqEntry | null = null;
+  /**
+   * Highest piggybacked ACK PSN not yet applied in full (-1: none): it overtook
+   * the response to a READ/ATOMIC, and entries after that one complete only
+   * once the response is in (see ackToMark).
+   */
+  private ackMark = -1;
 
   // responder
   private rq: RqEntry[] = [];
@@ -292,7 +322,9 @@ export class TcpQueuePair implements QueuePair {
   private parked: { sock: net.Socket; srcQp: number; psn: number; rest: Buffer | null }[] = [];
   private ePsn = 0;
   private rnrNakPsn = -1;
+  /** Cumulative ACK PSN owed to the peer (-1: none): piggybacked on our next request, or sent alone at the end of the turn. */
   private ackPending = -1;
+  private ackScheduled = false;
   private curRecv: RqEntry | null = null;
   private curWriteImm = false;
   private respDiscard = false;
@@ -305,6 +337,12 @@ export class TcpQueuePair implements QueuePair {
   private minRnrTimer = 12;
   private maxRdAtomic = 16;
   readonly boundWindows = new Set<TcpMw>();
+  private readonly counters = { requests: 0, acks: 0, piggybackedAcks: 0, piggybackedAcksReceived: 0, piggybackedAcksHeld: 0 };
+
+  /** Frame counters (a snapshot). */
+  get stats(): TcpQpStats {
+    return { ...this.counters };
+  }
 
   constructor(pd: TcpPd, init: QpInitAttr) {
     const a = pd.device.attr;
@@ -432,7 +470,7 @@ export class TcpQueuePair implements QueuePair {
     this.respReader = reader;
     const feed = (chunk: Buffer): void => {
       reader.feed(chunk);
-      this.flushAck();
+      this.scheduleAck();
     };
     sock.on("data", feed);
     sock.on("error", () => {});
@@ -673,8 +711,21 @@ export class TcpQueuePair implements QueuePair {
     if (wrote) this.wrotePending = true;
   }
 
+  /**
+   * The ACK owed to the peer, taken for the request header about to be written
+   * (-1: none to carry). Only called right before the header is written, so a
+   * request that does not go out (flow control, RNR wait) never swallows it.
+   */
+  private takePiggyback(sock: net.Socket): number {
+    const p = this.ackPending;
+    if (p < 0 || sock.writableLength > PIGGYBACK_MAX_QUEUED) return -1;
+    this.ackPending = -1;
+    this.counters.piggybackedAcks++;
+    return p;
+  }
+
   private transmit(sock: net.Socket, e: SqEntry, isRd: boolean): boolean {
-    const flags = (e.hasImm ? FrameFlags.IMM : 0) | (e.solicited ? FrameFlags.SOLICITED : 0);
+    let flags = (e.hasImm ? FrameFlags.IMM : 0) | (e.solicited ? FrameFlags.SOLICITED : 0);
     if (isRd) {
       const targets: Uint8Array[] = [];
       this.resolved = [];
@@ -685,9 +736,12 @@ export class TcpQueuePair implements QueuePair {
       }
       e.targets = targets;
       e.guard = mrsAlive(this.resolved);
+      this.counters.requests++;
       if (e.opcode === WrOpcode.RDMA_READ) {
-        sock.write(encodeHeader(FrameType.READ_REQ, 0, e.psn, 0, e.rkey, e.remoteAddr, 0, e.len, 0n, 0n));
+        const ack = this.takePiggyback(sock);
+        sock.write(encodeHeader(FrameType.READ_REQ, ack >= 0 ? FrameFlags.ACK : 0, e.psn, 0, e.rkey, e.remoteAddr, 0, e.len, 0n, ack >= 0 ? BigInt(ack) : 0n));
       } else {
+        // An atomic's operand2 is its swap value: no room for an ACK.
         const op = e.opcode === WrOpcode.ATOMIC_CMP_AND_SWP ? 0 : 1;
         sock.write(encodeHeader(FrameType.ATOMIC, 0, e.psn, 0, e.rkey, e.remoteAddr, 0, op, e.compareAdd, e.swap));
       }
@@ -704,9 +758,12 @@ export class TcpQueuePair implements QueuePair {
         if (v.length > 0) views.push(v);
       }
     }
+    this.counters.requests++;
+    const ack = this.takePiggyback(sock);
+    if (ack >= 0) flags |= FrameFlags.ACK;
     // Header and payload go out as one writev (cork), the payload straight from the registered memory.
     sock.cork();
-    sock.write(encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0n, 0n));
+    sock.write(encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0n, ack >= 0 ? BigInt(ack) : 0n));
     if (e.inline !== null) {
       if (e.inline.length > 0) sock.write(e.inline);
     } else {
@@ -797,7 +854,7 @@ export class TcpQueuePair implements QueuePair {
       if (e.state !== ENTRY_SENT) continue;
       const before = psnBefore(e.psn, psn) || (inclusive && e.psn === psn);
       if (!before) break;
-      if (e.opcode === WrOpcode.RDMA_READ || e.opcode === WrOpcode.ATOMIC_CMP_AND_SWP || e.opcode === WrOpcode.ATOMIC_FETCH_AND_ADD) {
+      if (isReadOrAtomic(e.opcode)) {
         // A response that never came, yet later requests were acknowledged: the responder broke the protocol.
         this.protocolError("requester", `acknowledgement for PSN ${psn} skips the response to PSN ${e.psn}`);
         return;
@@ -806,10 +863,51 @@ export class TcpQueuePair implements QueuePair {
     }
   }
 
+  /**
+   * A cumulative ACK piggybacked on one of the peer's requests. It came on the
+   * other stream than the responses, so it may overtake the response to a READ
+   * or atomic: complete up to the first such unanswered entry and remember the
+   * PSN; onResponseDone carries on from there (ackToMark).
+   */
+  private onPiggybackedAck(psn: number): void {
+    this.counters.piggybackedAcksReceived++;
+    if (!psnBefore(psn, this.nextPsn)) {
+      return this.protocolError("requester", `piggybacked ACK for PSN ${psn}, which was never sent (next PSN ${this.nextPsn})`, "responder");
+    }
+    this.lastProgress = performance.now();
+    if (this.ackMark < 0 || psnBefore(this.ackMark, psn)) this.ackMark = psn;
+    if (!this.ackToMark()) this.counters.piggybackedAcksHeld++;
+    this.completeInOrder();
+    this.pump();
+  }
+
+  /**
+   * Applies ackMark: sent entries up to it are done, stopping at a READ/atomic
+   * whose response has not arrived yet. False when it stopped there (the mark stays).
+   */
+  private ackToMark(): boolean {
+    const mark = this.ackMark;
+    if (mark < 0) return true;
+    for (let i = this.ackIdx; i < this.txIdx; i++) {
+      const e = this.sq[i]!;
+      if (e.state !== ENTRY_SENT) continue;
+      if (psnBefore(mark, e.psn)) break;
+      // Its response is still on the way on the other stream: keep the mark until it is in.
+      if (isReadOrAtomic(e.opcode)) return false;
+      e.state = ENTRY_DONE;
+    }
+    this.ackMark = -1;
+    return true;
+  }
+
   private onResponseHeader(h: FrameHeader): void {
     if (this.state !== QpState.RTS) {
       this.reqReader?.place(null);
       return;
+    }
+    if (!psnBefore(h.psn, this.nextPsn)) {
+      const what = h.type === FrameType.ACK ? (h.aux === Syndrome.ACK ? "ACK" : "NAK") : "response";
+      return this.protocolError("requester", `${what} for PSN ${h.psn}, which was never sent (next PSN ${this.nextPsn})`);
     }
     this.lastProgress = performance.now();
     switch (h.type) {
@@ -863,6 +961,8 @@ export class TcpQueuePair implements QueuePair {
     e.state = ENTRY_DONE;
     e.targets = null;
     this.outstandingRd--;
+    // A piggybacked ACK that overtook this response may now apply past it.
+    this.ackToMark();
     this.completeInOrder();
     this.pump();
   }
@@ -946,9 +1046,26 @@ export class TcpQueuePair implements QueuePair {
     if (this.ackPending >= 0) {
       const p = this.ackPending;
       this.ackPending = -1;
+      this.counters.acks++;
       this.respond(FrameType.ACK, p, Syndrome.ACK, 0n, 0n, null);
     }
   }
+
+  /**
+   * After a chunk of requests: the ACK they earned goes out alone at the end
+   * of this event-loop turn, unless a request of ours carries it first
+   * (transmit clears ackPending, so the deferred flush finds nothing).
+   */
+  private scheduleAck(): void {
+    if (this.ackPending < 0 || this.ackScheduled) return;
+    this.ackScheduled = true;
+    setImmediate(this.ackAtTurnEnd);
+  }
+
+  private readonly ackAtTurnEnd = (): void => {
+    this.ackScheduled = false;
+    if (this.state === QpState.RTS) this.flushAck();
+  };
 
   /** NAK and move the responder to ERR (class C/D errors in IBA terms). */
   private nak(psn: number, syndrome: number, reason: string): void {
@@ -1017,6 +1134,8 @@ export class TcpQueuePair implements QueuePair {
 
   private onRequestHeader(h: FrameHeader): void {
     const reader = this.respReader!;
+    // The ACK for our own requests counts even when the request carrying it is discarded (RNR, ERR).
+    if (h.flags & FrameFlags.ACK && this.state === QpState.RTS) this.onPiggybackedAck(Number(h.op2));
     if (this.state !== QpState.RTS) {
       reader.place(null);
       this.respDiscard = true;
@@ -1135,7 +1254,7 @@ export class TcpQueuePair implements QueuePair {
   }
 
   /** A malformed or hostile frame: ERR with a reason; never touches memory it should not. */
-  private protocolError(side: "requester" | "responder", reason: string): void {
+  private protocolError(side: "requester" | "responder", reason: string, stream: "requester" | "responder" = side): void {
     if (this.state === QpState.ERR) return;
     if (side === "requester") {
       const e = this.firstSent();
@@ -1144,7 +1263,7 @@ export class TcpQueuePair implements QueuePair {
         e.status = WcStatus.BAD_RESP_ERR;
       }
     }
-    this.enterError(`malformed frame from peer on the ${side} stream: ${reason}`, true, "QP_FATAL");
+    this.enterError(`malformed frame from peer on the ${stream} stream: ${reason}`, true, "QP_FATAL");
   }
 
   private connectionLost(reason: string): void {
@@ -1183,6 +1302,7 @@ export class TcpQueuePair implements QueuePair {
     this.rnrWait = null;
     if (this.ackTimer) clearTimeout(this.ackTimer);
     this.ackTimer = null;
+    this.ackMark = -1;
     // Flush: every unfinished WR completes with WR_FLUSH_ERR, in order.
     for (let i = this.sqHead; i < this.sq.length; i++) {
       const e = this.sq[i]!;
