@@ -46,6 +46,12 @@ const PSN_MASK = 0xffffff;
  * later than a standalone ACK on the idle response stream.
  */
 const PIGGYBACK_MAX_QUEUED = 64 * 1024;
+/**
+ * Many small requests do not wait for the end of the turn: once the ACK owed
+ * covers this many requests it goes out right after the chunk, so a requester
+ * whose whole window arrived in one turn gets it back without a bubble.
+ */
+const ACK_EAGER_REQUESTS = 16;
 const ENTRY_QUEUED = 0;
 const ENTRY_SENT = 1;
 const ENTRY_DONE = 2;
@@ -325,6 +331,8 @@ export class TcpQueuePair implements QueuePair {
   /** Cumulative ACK PSN owed to the peer (-1: none): piggybacked on our next request, or sent alone at the end of the turn. */
   private ackPending = -1;
   private ackScheduled = false;
+  /** Requests the owed ACK covers (reset whenever it is sent, carried or implied). */
+  private ackOwedRequests = 0;
   private curRecv: RqEntry | null = null;
   private curWriteImm = false;
   private respDiscard = false;
@@ -719,7 +727,7 @@ export class TcpQueuePair implements QueuePair {
   private takePiggyback(sock: net.Socket): number {
     const p = this.ackPending;
     if (p < 0 || sock.writableLength > PIGGYBACK_MAX_QUEUED) return -1;
-    this.ackPending = -1;
+    this.clearAckOwed();
     this.counters.piggybackedAcks++;
     return p;
   }
@@ -1045,19 +1053,27 @@ export class TcpQueuePair implements QueuePair {
   private flushAck(): void {
     if (this.ackPending >= 0) {
       const p = this.ackPending;
-      this.ackPending = -1;
+      this.clearAckOwed();
       this.counters.acks++;
       this.respond(FrameType.ACK, p, Syndrome.ACK, 0n, 0n, null);
     }
   }
 
+  private clearAckOwed(): void {
+    this.ackPending = -1;
+    this.ackOwedRequests = 0;
+  }
+
   /**
    * After a chunk of requests: the ACK they earned goes out alone at the end
    * of this event-loop turn, unless a request of ours carries it first
-   * (transmit clears ackPending, so the deferred flush finds nothing).
+   * (transmit clears ackPending, so the deferred flush finds nothing). Runs of
+   * small requests (ACK_EAGER_REQUESTS) are acknowledged right after the chunk.
    */
   private scheduleAck(): void {
-    if (this.ackPending < 0 || this.ackScheduled) return;
+    if (this.ackPending < 0) return;
+    if (this.ackOwedRequests >= ACK_EAGER_REQUESTS) return this.flushAck();
+    if (this.ackScheduled) return;
     this.ackScheduled = true;
     setImmediate(this.ackAtTurnEnd);
   }
@@ -1200,7 +1216,8 @@ export class TcpQueuePair implements QueuePair {
         if (!(this.qpAccess & Access.REMOTE_READ)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote read");
         const v = this.remoteView(h, h.aux, Access.REMOTE_READ);
         if (v === null) return;
-        this.ackPending = -1;
+        // The response acknowledges everything before it.
+        this.clearAckOwed();
         this.respond(FrameType.READ_RESP, h.psn, 0, 0n, 0n, v, this.remoteMr);
         return;
       }
@@ -1215,7 +1232,7 @@ export class TcpQueuePair implements QueuePair {
         if (h.aux === 0) {
           if (orig === h.op1) dv.setBigUint64(0, h.op2, true);
         } else dv.setBigUint64(0, BigInt.asUintN(64, orig + h.op1), true);
-        this.ackPending = -1;
+        this.clearAckOwed();
         this.respond(FrameType.ATOMIC_RESP, h.psn, 0, orig, 0n, null);
         return;
       }
@@ -1243,7 +1260,10 @@ export class TcpQueuePair implements QueuePair {
       const op = this.curWriteImm ? WcOpcode.RECV_RDMA_WITH_IMM : WcOpcode.RECV;
       this.recvCq.push(r.wrId, WcStatus.SUCCESS, op, flags, h.payloadLen, imm, this.qpNum);
     }
-    if (h.type === FrameType.SEND || h.type === FrameType.WRITE) this.ackPending = h.psn;
+    if (h.type === FrameType.SEND || h.type === FrameType.WRITE) {
+      this.ackPending = h.psn;
+      this.ackOwedRequests++;
+    }
   }
 
   // ----------------------------------------------------------------- errors
