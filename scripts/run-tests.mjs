@@ -1,9 +1,11 @@
 #!/usr/bin/env node
 // Runs the compiled test files (dist/test/**/*.test.js) with node:test.
 // Usage: node scripts/run-tests.mjs [substring filters...]
+// A filter matches the file's path relative to dist/test (e.g. "tcp/", "api/data"),
+// never the checkout's own path.
 // ASYNC_RDMA_PROVIDER=verbs runs the same files on the native provider.
 import { readdirSync, statSync } from "node:fs";
-import { join } from "node:path";
+import { join, relative } from "node:path";
 import { spawnSync } from "node:child_process";
 
 const root = new URL("..", import.meta.url).pathname;
@@ -17,7 +19,7 @@ const files = [];
   }
 })(dir);
 const filters = process.argv.slice(2);
-const chosen = filters.length ? files.filter((f) => filters.some((s) => f.includes(s))) : files;
+const chosen = filters.length ? files.filter((f) => filters.some((s) => relative(dir, f).includes(s))) : files;
 if (chosen.length === 0) {
   console.error("run-tests: no test files matched");
   process.exit(1);
