@@ -9,6 +9,7 @@ export { RdmaBuilder, type ResolvedSettings } from "./api/builder.js";
 export { Rdma, type OpOptions } from "./api/rdma.js";
 export { RdmaListener } from "./api/listener.js";
 export { LocalMr, RemoteMr } from "./memory/mr.js";
+export { setPeerMemoryLimit, peerMemoryUsage } from "./memory/budget.js";
 export { RdmaError, isRdmaError, type RdmaErrorCode } from "./errors.js";
 export { Access } from "./transport/types.js";
 export type { PollingMode } from "./agent/connection.js";

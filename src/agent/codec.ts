@@ -1,5 +1,5 @@
 /**
- * The agent's control protocol, version 1: every SEND between two async-rdma
+ * The agent's control protocol, version 2: every SEND between two async-rdma
  * endpoints starts with this 24-byte header (docs/wire-format.md).
  *
  * | off | size | field   | meaning                                                      |
@@ -15,13 +15,13 @@
  * | 20  | 4    | b       | per type: lease in ms                                        |
  * | 24  | 8    | addr    | RNDV / GRANT / LEND: remote address (only those types)       |
  * | 32  | 4    | rkey    | RNDV / GRANT / LEND: remote key                              |
- * | 36  | 4    | -       | zero                                                         |
+ * | 36  | 4    | id      | MR_GRANT: the grant id, chosen by the owner; otherwise zero  |
  *
  * DATA carries the user's bytes after the 24-byte header. Big-endian fields.
  */
 
 export const MAGIC = 0xa7;
-export const VERSION = 1;
+export const VERSION = 2;
 export const HDR = 24;
 export const DESC = 16;
 
@@ -38,10 +38,18 @@ export const MsgType = {
   MR_RETURN: 10,
   MR_GIVE_BACK: 11,
   CLOSE: 12,
+  /** Liveness probe: the peer's agent answers PONG (token echoed). */
+  PING: 13,
+  PONG: 14,
+  /** The sender gives up a rendezvous: the receiver drops it unless already delivered, then answers RNDV_DONE. */
+  RNDV_CANCEL: 15,
 } as const;
+const LAST_TYPE = MsgType.RNDV_CANCEL;
 export type MsgType = (typeof MsgType)[keyof typeof MsgType];
 
 export const DenyReason = { QUOTA: 1, TOO_LARGE: 2, NO_MEMORY: 3 } as const;
+/** RNDV_DONE's `a`: the message was delivered, or dropped after a RNDV_CANCEL. */
+export const RndvStatus = { DELIVERED: 0, CANCELLED: 1 } as const;
 
 export interface Msg {
   type: number;
@@ -53,6 +61,8 @@ export interface Msg {
   b: number;
   addr: number;
   rkey: number;
+  /** Descriptor messages only (MR_GRANT: the grant id). */
+  id: number;
 }
 
 const WITH_DESC = new Set<number>([MsgType.RNDV, MsgType.MR_GRANT, MsgType.MR_LEND]);
@@ -76,7 +86,7 @@ export function encodeMsg(dst: Uint8Array, m: Msg): number {
     dv.setUint32(24, Math.floor(m.addr / 0x100000000));
     dv.setUint32(28, m.addr >>> 0);
     dv.setUint32(32, m.rkey >>> 0);
-    dv.setUint32(36, 0);
+    dv.setUint32(36, m.id >>> 0);
     return HDR + DESC;
   }
   return HDR;
@@ -97,7 +107,8 @@ export function decodeMsg(src: Uint8Array, len: number, out: Msg): string | null
   out.b = dv.getUint32(20);
   out.addr = 0;
   out.rkey = 0;
-  if (out.type < MsgType.DATA || out.type > MsgType.CLOSE) return `unknown control message type ${out.type}`;
+  out.id = 0;
+  if (out.type < MsgType.DATA || out.type > LAST_TYPE) return `unknown control message type ${out.type}`;
   if (out.flags & ~1) return `unknown flags 0x${out.flags.toString(16)}`;
   if (out.type !== MsgType.DATA && (out.flags & 1)) return "immediate flag on a control message";
   if (WITH_DESC.has(out.type)) {
@@ -106,6 +117,7 @@ export function decodeMsg(src: Uint8Array, len: number, out: Msg): string | null
     if (hi >= 0x200000) return "address beyond 2^53";
     out.addr = hi * 0x100000000 + dv.getUint32(28);
     out.rkey = dv.getUint32(32);
+    out.id = dv.getUint32(36);
   } else if (out.type !== MsgType.DATA && len !== HDR) {
     return `message type ${out.type} must be ${HDR} bytes, got ${len}`;
   }
@@ -113,5 +125,5 @@ export function decodeMsg(src: Uint8Array, len: number, out: Msg): string | null
 }
 
 export function newMsg(): Msg {
-  return { type: 0, flags: 0, credits: 0, imm: 0, token: 0, a: 0, b: 0, addr: 0, rkey: 0 };
+  return { type: 0, flags: 0, credits: 0, imm: 0, token: 0, a: 0, b: 0, addr: 0, rkey: 0, id: 0 };
 }

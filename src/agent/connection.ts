@@ -27,10 +27,12 @@ import {
   type SendWr,
 } from "../transport/types.js";
 import type { MemoryRegion } from "../transport/types.js";
-import { LocalMemory, LocalMr, RemoteLease, RemoteMr } from "../memory/mr.js";
+import { LocalMemory, LocalMr, type RemoteMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
+import { peerMemory } from "../memory/budget.js";
 import { AsyncQueue, abortError } from "./queue.js";
-import { DenyReason, HDR, MsgType, decodeMsg, encodeMsg, msgLength, newMsg, type Msg } from "./codec.js";
+import { HDR, MsgType, RndvStatus, decodeMsg, encodeMsg, newMsg, type Msg } from "./codec.js";
+import { MemoryProtocol, type CtrlMsg, type MemoryHost } from "./memory-protocol.js";
 
 export type PollingMode = "event" | "busy" | "adaptive";
 
@@ -42,6 +44,20 @@ export interface ConnectionOptions {
   sendDepth: number;
   /** Bytes of this side's memory the peer may hold through requestRemoteMr at once. */
   quotaBytes: number;
+  /** Regions the peer may hold through requestRemoteMr at once. */
+  maxRegions: number;
+  /** The owner revokes a grant or lend this long after the borrower's lease ends (leases.ts). */
+  leaseGraceMs: number;
+  /**
+   * While this side waits on the peer (work posted, or a PING sent), the
+   * peer must make progress (a completion, a message) within this bound or
+   * the connection fails with RETRY_EXCEEDED (0: no bound). Devices do not
+   * all report a dead peer (rxe does not), and a stopped process's device
+   * may still answer; the agent bounds it itself.
+   */
+  peerTimeoutMs: number;
+  /** A rendezvous send not completed by the peer within this is cancelled (0: never). */
+  rendezvousTimeoutMs: number;
   /** Lease granted when the requester asks for none, and for lent regions. */
   defaultLeaseMs: number;
   /** Upper bound on any lease this side grants. */
@@ -54,10 +70,10 @@ export interface ConnectionOptions {
   /** Largest two-sided message accepted from the peer (rendezvous allocates this much). */
   maxMessageSize: number;
   /**
-   * Idle time after which a zero-length RDMA WRITE probes the peer (0: never).
-   * A dead peer then fails the connection (RETRY_EXCEEDED) and every pending
-   * wait rejects, even when this side was only waiting to receive: verbs
-   * itself notices a dead peer only when it sends.
+   * Idle time after which a PING asks the peer's agent for a PONG (0: never).
+   * A dead or stopped peer then fails the connection after peerTimeoutMs and
+   * every pending wait rejects, even when this side was only waiting to
+   * receive.
    */
   keepaliveMs: number;
 }
@@ -78,6 +94,12 @@ const POLL_BUDGET = 512;
 const SIGNAL_EVERY = 32;
 /** Synchronous CQ polls after posting, per event-loop turn, in busy and adaptive modes. */
 const SYNC_POLLS = 64;
+/**
+ * One-sided transfers are posted as work requests of at most this many bytes
+ * (one operation, one promise): completions keep coming during a long
+ * transfer, so progress is visible to the peer timeout.
+ */
+export const CHUNK_BYTES = 8 << 20;
 
 type OpKind = "msg" | "write" | "read" | "atomic" | "recv";
 
@@ -95,6 +117,10 @@ interface Op {
   then: ((ok: boolean) => void) | null;
   signal: AbortSignal | null;
   onAbort: (() => void) | null;
+  /** Work requests still to complete (chunked transfers post several). */
+  parts: number;
+  /** Some work request of it reached the send queue (an abort can no longer recall it). */
+  posted: boolean;
 }
 
 interface Pending {
@@ -106,25 +132,21 @@ interface Pending {
   hdr: LocalMemory | null;
 }
 
-interface Grant {
-  mem: LocalMemory;
-  mr: MemoryRegion;
-  timer: NodeJS.Timeout | null;
-  length: number;
-}
-
-interface Lend {
-  mem: LocalMemory;
-  mr: MemoryRegion;
-  timer: NodeJS.Timeout | null;
-  start: number;
-  length: number;
-}
-
 interface Incoming {
   ready: boolean;
   mr: LocalMr | null;
   imm: number | undefined;
+  /** Rendezvous: the sender's id, whether RNDV_DONE went out, whether the sender cancelled. */
+  rndv: { token: number; len: number; addr: number; rkey: number; done: boolean; cancelled: boolean; started: boolean } | null;
+}
+
+interface RndvOut {
+  mr: MemoryRegion;
+  resolve: () => void;
+  reject: (e: unknown) => void;
+  /** Why it was cancelled (abort or deadline); the peer's RNDV_DONE decides the outcome. */
+  cancelReason: RdmaError | null;
+  timer: NodeJS.Timeout | null;
 }
 
 function codeOfStatus(s: number): RdmaErrorCode {
@@ -157,7 +179,7 @@ const ADVICE: Partial<Record<RdmaErrorCode, string>> = {
   FLUSHED: "the connection had already failed",
 };
 
-export class Connection {
+export class Connection implements MemoryHost {
   readonly qp: QueuePair;
   readonly cq: CompletionQueue;
   readonly pool: MrPool;
@@ -190,16 +212,20 @@ export class Connection {
   private readonly incoming: Incoming[] = [];
   private readonly recvWaiters: { resolve: (v: { mr: LocalMr; imm: number | undefined }) => void; reject: (e: unknown) => void; cleanup: () => void }[] = [];
   private readonly writeImms = new AsyncQueue<number>("receiveWriteImm");
-  private readonly localMrs = new AsyncQueue<LocalMr>("receiveLocalMr");
-  private readonly remoteMrs = new AsyncQueue<RemoteMr>("receiveRemoteMr");
+  /** Messages delivered to `incoming` and not yet taken by the user (immediates count apart: writeImms.length). */
   private heldRecvs = 0;
 
   private nextToken = 1;
-  private readonly requests = new Map<number, { resolve: (r: RemoteMr) => void; reject: (e: unknown) => void; sentAt: number; leaseMs: number }>();
-  private readonly grants = new Map<number, Grant>();
-  private quotaUsed = 0;
-  private readonly lends = new Map<number, Lend>();
-  private readonly rndvOut = new Map<number, { mem: LocalMemory; mr: MemoryRegion; resolve: () => void; reject: (e: unknown) => void }>();
+  private readonly rndvOut = new Map<number, RndvOut>();
+  /** Incoming rendezvous messages waiting for the process-wide peer memory budget. */
+  private readonly rndvWaiting: Incoming[] = [];
+  private unsubscribeBudget: (() => void) | null = null;
+  readonly memory: MemoryProtocol;
+
+  /** Last time the peer showed progress (a completion or an arrival), or this side began to wait. */
+  private lastProgress = performance.now();
+  private lastArrival = performance.now();
+  private pingOutstanding = false;
 
   failure: RdmaError | null = null;
   closing = false;
@@ -215,8 +241,21 @@ export class Connection {
     this.peer = peer;
     this.credits = peer.recvDepth;
     this.onClosed = onClosed;
+    this.memory = new MemoryProtocol(this, {
+      quotaBytes: opts.quotaBytes,
+      maxRegions: opts.maxRegions,
+      defaultLeaseMs: opts.defaultLeaseMs,
+      maxLeaseMs: opts.maxLeaseMs,
+      leaseGraceMs: opts.leaseGraceMs,
+      maxRegionSize: Math.min(pool.pd.device.attr.maxMrSize, 2 ** 32 - 1),
+    });
     qp.onEvent = (e: AsyncEvent) => this.onQpEvent(e);
     cq.onNotify = () => this.pollNow();
+  }
+
+  /** MemoryHost: the connection failed or is closing. */
+  get down(): boolean {
+    return this.failure !== null || this.closing;
   }
 
   /** Sets the peer's parameters once the handshake told us them (before any send). */
@@ -238,25 +277,44 @@ export class Connection {
   start(): void {
     if (this.opts.polling !== "busy") this.cq.requestNotify();
     this.pollNow();
-    if (this.opts.keepaliveMs > 0) {
-      this.keepalive = setInterval(() => this.probe(), this.opts.keepaliveMs);
+    const { keepaliveMs: k, peerTimeoutMs: t } = this.opts;
+    const every = Math.min(k > 0 ? k : Infinity, t > 0 ? Math.max(10, t / 4) : Infinity);
+    if (every !== Infinity) {
+      this.lastProgress = this.lastArrival = performance.now();
+      this.keepalive = setInterval(() => this.liveness(), every);
       this.keepalive.unref();
     }
   }
 
   private keepalive: NodeJS.Timeout | null = null;
 
-  private probe(): void {
+  /**
+   * Liveness, the same rule on every provider: when nothing arrived for
+   * keepaliveMs, PING the peer's agent; while this side waits on the peer
+   * (work posted, or a PING unanswered), no progress for peerTimeoutMs fails
+   * the connection. A device that reports the dead peer earlier (tcp: a cut
+   * stream; verbs: retry exceeded) fails it earlier.
+   */
+  private liveness(): void {
     if (this.failure || this.closing) return;
-    if (performance.now() - this.lastActivity < this.opts.keepaliveMs || this.sqOutstanding > 0) return;
-    // A zero-length WRITE needs no rkey (IBA C9-88) and no receive at the peer: only its ACK.
-    this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.RDMA_WRITE, flags: 0, sgList: [], remoteAddr: 0, rkey: 0 }, op: this.newOp("write"), credit: 0, hdr: null });
+    const now = performance.now();
+    const t = this.opts.peerTimeoutMs;
+    const waiting = this.sqOutstanding > 0 || this.pingOutstanding;
+    if (t > 0 && waiting && now - this.lastProgress > t) {
+      this.fail(new RdmaError("RETRY_EXCEEDED", `the peer made no progress for ${Math.round(now - this.lastProgress)} ms (peerTimeoutMs ${t}): it is dead, stopped or unreachable`));
+      return;
+    }
+    if (this.opts.keepaliveMs > 0 && !this.pingOutstanding && now - this.lastArrival >= this.opts.keepaliveMs) {
+      if (!waiting) this.lastProgress = now;
+      this.pingOutstanding = true;
+      this.sendCtrl({ type: MsgType.PING });
+    }
   }
 
   // ------------------------------------------------------------------ slots
 
   private newOp(kind: OpKind): Op {
-    return { kind, resolve: null, reject: null, mems: [], hdr: null, result: null, then: null, signal: null, onAbort: null };
+    return { kind, resolve: null, reject: null, mems: [], hdr: null, result: null, then: null, signal: null, onAbort: null, parts: 1, posted: false };
   }
 
   private slot(op: Op): number {
@@ -334,15 +392,23 @@ export class Connection {
     if (this.closing) throw new RdmaError("CONNECTION_CLOSED", `${what}: the connection is closing`);
   }
 
-  /** Encodes a control message into a fresh small buffer and queues its SEND. */
-  private sendCtrl(m: Partial<Msg> & { type: number }, op: Op | null = null, credit = 1): void {
+  /** Encodes a control message into a recycled small buffer and queues its SEND. */
+  sendCtrl(m: CtrlMsg, op: Op | null = null, credit = 1): void {
     const mem = this.takeHdr();
-    const full: Msg = { flags: 0, credits: 0, imm: 0, token: 0, a: 0, b: 0, addr: 0, rkey: 0, ...m };
+    const full: Msg = { flags: 0, credits: 0, imm: 0, token: 0, a: 0, b: 0, addr: 0, rkey: 0, id: 0, ...m };
     const a = mem.alloc;
     const len = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), full);
     const o = op ?? this.newOp("msg");
     o.hdr = mem;
     this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: len, lkey: a.mr.lkey }] }, op: o, credit, hdr: mem });
+  }
+
+  /** MemoryHost: a control message whose promise settles when its SEND completes. */
+  postCtrl(m: CtrlMsg, signal?: AbortSignal): Promise<void> {
+    const op = this.newOp("msg");
+    const p = this.track<void>(op, signal);
+    this.sendCtrl(m, op);
+    return p;
   }
 
   private enqueue(p: Pending): void {
@@ -367,6 +433,7 @@ export class Connection {
         const need = min(p);
         if (need > 0 && this.credits < need) break;
         q.shift();
+        p.op.posted = true;
         if (need > 0) this.credits--;
         if (p.hdr !== null) {
           // piggyback the receive buffers we re-posted since the last report
@@ -397,6 +464,7 @@ export class Connection {
         this.sinceSignal = 0;
       } else wr.flags = (wr.flags ?? 0) & ~SendFlags.SIGNALED;
     }
+    if (this.sqOutstanding === 0) this.lastProgress = performance.now();
     this.sqOutstanding += batch.length;
     this.lastActivity = performance.now();
     try {
@@ -439,22 +507,59 @@ export class Connection {
     if (ctrlBlocked && dataBlocked) this.sendCtrl({ type: MsgType.CREDIT }, null, 3);
   }
 
+  /**
+   * The promise of an operation. The caller has checked that `signal` is not
+   * aborted before creating anything. An abort while the operation still
+   * waits in a queue (credits, send-queue room) removes it: it never reaches
+   * the wire, and rejects with ABORTED. Once posted it cannot be recalled:
+   * it is reported as it completes (done, or its error), never as aborted
+   * while it may still land. The abort listener lives exactly as long as the
+   * operation (`finish`).
+   */
   private track<T>(op: Op, signal: AbortSignal | undefined): Promise<T> {
     return new Promise<T>((resolve, reject) => {
       op.resolve = resolve as (v: unknown) => void;
       op.reject = reject;
       if (signal) {
-        if (signal.aborted) throw abortError(signal);
         op.signal = signal;
         op.onAbort = () => {
-          // The work request stays posted (it cannot be recalled); its memory stays pinned until it completes.
-          const r = op.reject;
-          op.resolve = op.reject = null;
-          r?.(abortError(signal));
+          if (op.posted) return; // settles with its completion
+          const mine: Pending[] = [];
+          for (const q of [this.creditQ, this.ctrlQ, this.dataQ]) {
+            for (let i = q.length - 1; i >= 0; i--) if (q[i]!.op === op) mine.push(...q.splice(i, 1));
+          }
+          this.dropQueued(op, mine, abortError(signal));
         };
         signal.addEventListener("abort", op.onAbort, { once: true });
       }
     });
+  }
+
+  /** The abort listener goes with the operation, however it ends. */
+  private finish(op: Op): void {
+    if (op.signal && op.onAbort) op.signal.removeEventListener("abort", op.onAbort);
+    op.signal = null;
+    op.onAbort = null;
+  }
+
+  /** An operation none of whose work requests was posted is dropped: its resources freed, its promise rejected. */
+  private dropQueued(op: Op, parts: Pending[], err: unknown): void {
+    for (const p of parts) if (p.hdr) this.putHdr(p.hdr);
+    for (const m of op.mems) m.opDone();
+    op.mems = [];
+    op.result?.release();
+    op.result = null;
+    this.finish(op);
+    const then = op.then;
+    const reject = op.reject;
+    op.then = null;
+    op.resolve = op.reject = null;
+    then?.(false);
+    reject?.(err);
+  }
+
+  private static checkSignal(signal: AbortSignal | undefined): void {
+    if (signal?.aborted) throw abortError(signal);
   }
 
   // ----------------------------------------------------------- data ops
@@ -463,13 +568,15 @@ export class Connection {
   send(lmr: LocalMr, imm: number | undefined, signal?: AbortSignal): Promise<void> {
     this.checkOpen("send");
     lmr.mem.check("send");
+    Connection.checkSignal(signal);
     const len = lmr.length;
     if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
+    if (len > 2 ** 32 - 1) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message is longer than the protocol carries (2^32 - 1)`);
     if (len <= this.peer.eagerMax) {
       const op = this.newOp("msg");
       const hdr = this.takeHdr();
       const a = hdr.alloc;
-      encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.DATA, flags: imm === undefined ? 0 : 1, credits: 0, imm: imm ?? 0, token: 0, a: len, b: 0, addr: 0, rkey: 0 });
+      encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.DATA, flags: imm === undefined ? 0 : 1, credits: 0, imm: imm ?? 0, token: 0, a: len, b: 0, addr: 0, rkey: 0, id: 0 });
       op.hdr = hdr;
       lmr.mem.inflight++;
       op.mems.push(lmr.mem);
@@ -481,18 +588,35 @@ export class Connection {
       this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags, sgList: sgl }, op, credit: 2, hdr });
       return p;
     }
-    // Rendezvous: lend exactly these bytes read-only; the peer READs them and answers RNDV_DONE.
-    const token = this.nextToken++;
+    return this.sendRendezvous(lmr, imm, signal);
+  }
+
+  /**
+   * Rendezvous: lend exactly these bytes read-only; the peer READs them and
+   * answers RNDV_DONE, after which the registration is revoked. An abort or
+   * the rendezvous deadline before RNDV_DONE sends RNDV_CANCEL: the peer
+   * drops the message unless it already delivered it, and its RNDV_DONE says
+   * which (ABORTED/TIMEOUT, or done). The registration stays until that
+   * answer: the peer may be reading. No answer within peerTimeoutMs fails the
+   * connection, which revokes it.
+   */
+  private sendRendezvous(lmr: LocalMr, imm: number | undefined, signal?: AbortSignal): Promise<void> {
+    const len = lmr.length;
+    const token = this.nextToken;
+    this.nextToken = (this.nextToken + 1) >>> 0 || 1;
     const mr = this.pool.grant(lmr.mem.alloc, lmr.start, len, Access.REMOTE_READ);
     lmr.mem.inflight++;
     return new Promise<void>((resolve, reject) => {
+      const onAbort = (): void => this.cancelRendezvous(token, abortError(signal!));
       const settle = (): void => {
+        const r = this.rndvOut.get(token);
+        if (r?.timer) clearTimeout(r.timer);
         this.rndvOut.delete(token);
+        signal?.removeEventListener("abort", onAbort);
         mr.deregister();
         lmr.mem.opDone();
       };
-      this.rndvOut.set(token, {
-        mem: lmr.mem,
+      const entry: RndvOut = {
         mr,
         resolve: () => {
           settle();
@@ -502,10 +626,14 @@ export class Connection {
           settle();
           reject(e);
         },
-      });
-      if (signal) {
-        if (signal.aborted) return this.rndvOut.get(token)!.reject(abortError(signal));
-        signal.addEventListener("abort", () => this.rndvOut.get(token)?.reject(abortError(signal)), { once: true });
+        cancelReason: null,
+        timer: null,
+      };
+      this.rndvOut.set(token, entry);
+      signal?.addEventListener("abort", onAbort, { once: true });
+      if (this.opts.rendezvousTimeoutMs > 0) {
+        entry.timer = setTimeout(() => this.cancelRendezvous(token, new RdmaError("TIMEOUT", `send: the peer did not take the ${len}-byte message within ${this.opts.rendezvousTimeoutMs} ms (rendezvousTimeoutMs)`)), this.opts.rendezvousTimeoutMs);
+        entry.timer.unref();
       }
       const op = this.newOp("msg");
       op.then = (ok) => {
@@ -513,52 +641,108 @@ export class Connection {
       };
       const hdr = this.takeHdr();
       const a = hdr.alloc;
-      const n = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.RNDV, flags: 0, credits: 0, imm: imm ?? 0, token, a: len, b: imm === undefined ? 0 : 1, addr: mr.addr, rkey: mr.rkey });
+      const n = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.RNDV, flags: 0, credits: 0, imm: imm ?? 0, token, a: len, b: imm === undefined ? 0 : 1, addr: mr.addr, rkey: mr.rkey, id: 0 });
       op.hdr = hdr;
+      // The announcement itself is abortable while queued: then nothing reached the wire.
+      op.signal = signal ?? null;
+      if (signal) {
+        op.onAbort = () => {
+          if (op.posted) return;
+          const mine: Pending[] = [];
+          for (let i = this.dataQ.length - 1; i >= 0; i--) if (this.dataQ[i]!.op === op) mine.push(...this.dataQ.splice(i, 1));
+          op.then = null;
+          this.dropQueued(op, mine, null);
+          this.rndvOut.get(token)?.reject(abortError(signal));
+        };
+        signal.addEventListener("abort", op.onAbort, { once: true });
+      }
       this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: n, lkey: a.mr.lkey }] }, op, credit: 2, hdr });
     });
   }
 
+  private cancelRendezvous(token: number, reason: RdmaError): void {
+    const r = this.rndvOut.get(token);
+    if (!r || r.cancelReason) return;
+    r.cancelReason = reason;
+    if (r.timer) clearTimeout(r.timer);
+    r.timer = null;
+    if (this.down) return; // fail() settles it
+    this.sendCtrl({ type: MsgType.RNDV_CANCEL, token });
+    // The answer (RNDV_DONE) must come within the peer timeout; the liveness check enforces
+    // that while the cancel is unanswered.
+    this.pingOutstanding = true;
+  }
+
+  /**
+   * Posts a one-sided transfer as work requests of at most CHUNK_BYTES each
+   * (one op, settled when the last completes; a WRITE_WITH_IMM carries its
+   * immediate on the last one, which RC orders after the others).
+   */
+  private postTransfer(op: Op, opcode: (typeof WrOpcode)[keyof typeof WrOpcode], lmr: LocalMr, remoteAddr: number, rkey: number, imm: number | undefined, credit: number): void {
+    const len = lmr.length;
+    const n = Math.max(1, Math.ceil(len / CHUNK_BYTES));
+    op.parts = n;
+    const sge = len > 0 ? lmr.sge() : null;
+    for (let i = 0; i < n; i++) {
+      const off = i * CHUNK_BYTES;
+      const last = i === n - 1;
+      const part = Math.min(CHUNK_BYTES, len - off);
+      const wr: SendWr = {
+        wrId: 0,
+        opcode: last || opcode !== WrOpcode.RDMA_WRITE_WITH_IMM ? opcode : WrOpcode.RDMA_WRITE,
+        flags: SendFlags.SIGNALED,
+        sgList: sge ? [{ addr: sge.addr + off, length: part, lkey: sge.lkey }] : [],
+        remoteAddr: remoteAddr + off,
+        rkey,
+      };
+      if (last && imm !== undefined) wr.imm = imm;
+      this.enqueue({ wr, op, credit: last ? credit : 0, hdr: null });
+    }
+  }
+
+  /** A RemoteMr granted or lent to another connection is refused here, before anything is posted. */
+  private checkRemote(rmr: RemoteMr, what: string): void {
+    if (rmr.lease.owner !== null && rmr.lease.owner !== this) {
+      throw new RdmaError("INVALID_ARGUMENT", `${what}: this RemoteMr was granted or lent to another connection; a region can only be used on the connection it came from`);
+    }
+    rmr.lease.check(what);
+  }
+
   /** One-sided WRITE (optionally with immediate, which consumes a peer receive and so a credit). */
   write(lmr: LocalMr, rmr: RemoteMr, imm: number | undefined, signal?: AbortSignal): Promise<void> {
-    this.checkOpen(imm === undefined ? "write" : "writeWithImm");
-    lmr.mem.check("write");
-    rmr.lease.check("write");
+    const what = imm === undefined ? "write" : "writeWithImm";
+    this.checkOpen(what);
+    lmr.mem.check(what);
+    this.checkRemote(rmr, what);
+    Connection.checkSignal(signal);
     if (lmr.length > rmr.length) throw new RdmaError("OUT_OF_RANGE", `write of ${lmr.length} bytes into a ${rmr.length}-byte remote region`);
     const op = this.newOp("write");
     lmr.mem.inflight++;
     op.mems.push(lmr.mem);
     const p = this.track<void>(op, signal);
-    const wr: SendWr = {
-      wrId: 0,
-      opcode: imm === undefined ? WrOpcode.RDMA_WRITE : WrOpcode.RDMA_WRITE_WITH_IMM,
-      flags: SendFlags.SIGNALED,
-      sgList: lmr.length > 0 ? [lmr.sge()] : [],
-      remoteAddr: rmr.addr,
-      rkey: rmr.rkey,
-    };
-    if (imm !== undefined) wr.imm = imm;
-    this.enqueue({ wr, op, credit: imm === undefined ? 0 : 2, hdr: null });
+    this.postTransfer(op, imm === undefined ? WrOpcode.RDMA_WRITE : WrOpcode.RDMA_WRITE_WITH_IMM, lmr, rmr.addr, rmr.rkey, imm, imm === undefined ? 0 : 2);
     return p;
   }
 
   read(lmr: LocalMr, rmr: RemoteMr, signal?: AbortSignal): Promise<void> {
     this.checkOpen("read");
     lmr.mem.check("read");
-    rmr.lease.check("read");
+    this.checkRemote(rmr, "read");
+    Connection.checkSignal(signal);
     if (lmr.length > rmr.length) throw new RdmaError("OUT_OF_RANGE", `read of ${lmr.length} bytes from a ${rmr.length}-byte remote region`);
     const op = this.newOp("read");
     lmr.mem.inflight++;
     op.mems.push(lmr.mem);
     const p = this.track<void>(op, signal);
-    this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.RDMA_READ, flags: SendFlags.SIGNALED, sgList: lmr.length > 0 ? [lmr.sge()] : [], remoteAddr: rmr.addr, rkey: rmr.rkey }, op, credit: 0, hdr: null });
+    this.postTransfer(op, WrOpcode.RDMA_READ, lmr, rmr.addr, rmr.rkey, undefined, 0);
     return p;
   }
 
   atomic(rmr: RemoteMr, opcode: typeof WrOpcode.ATOMIC_CMP_AND_SWP | typeof WrOpcode.ATOMIC_FETCH_AND_ADD, compareAdd: bigint, swap: bigint, signal?: AbortSignal): Promise<bigint> {
     const what = opcode === WrOpcode.ATOMIC_CMP_AND_SWP ? "compareAndSwap" : "fetchAndAdd";
     this.checkOpen(what);
-    rmr.lease.check(what);
+    this.checkRemote(rmr, what);
+    Connection.checkSignal(signal);
     if (rmr.length < 8) throw new RdmaError("OUT_OF_RANGE", `${what} needs 8 bytes of remote memory, the region has ${rmr.length}`);
     // Checked here: on the wire a misaligned atomic is a fatal error for the whole connection.
     if (rmr.addr % 8 !== 0) throw new RdmaError("INVALID_ARGUMENT", `${what} needs an 8-byte aligned remote address (0x${rmr.addr.toString(16)})`);
@@ -592,10 +776,7 @@ export class Connection {
   private takeHead(): { mr: LocalMr; imm: number | undefined } {
     const head = this.incoming.shift()!;
     this.heldRecvs--;
-    if (this.heldRecvs < this.maxHeld() && this.pendingReposts > 0) {
-      this.pendingReposts--;
-      this.repostRecv();
-    }
+    this.repostHeld();
     return { mr: head.mr!, imm: head.imm };
   }
 
@@ -608,117 +789,66 @@ export class Connection {
     }
   }
 
+  /** Receives not re-posted because too much was held unread: posted as the user reads. */
   private pendingReposts = 0;
+
+  /**
+   * Unread messages and immediates hold the peer's credits: past half the
+   * receive depth, consumed receives are re-posted only as the user reads,
+   * which throttles the peer instead of growing memory or queues.
+   */
+  private held(): number {
+    return this.heldRecvs + this.writeImms.length;
+  }
 
   private maxHeld(): number {
     return Math.max(1, this.opts.recvDepth >> 1);
   }
 
+  /** A receive was consumed by something the user will read: re-post now, or when the user reads. */
+  private repostOrHold(): void {
+    if (this.held() <= this.maxHeld()) this.repostRecv();
+    else this.pendingReposts++;
+  }
+
+  private repostHeld(): void {
+    while (this.pendingReposts > 0 && this.held() < this.maxHeld()) {
+      this.pendingReposts--;
+      this.repostRecv();
+    }
+  }
+
   receiveWriteImm(signal?: AbortSignal): Promise<number> {
-    return this.writeImms.take({ signal });
+    const p = this.writeImms.take({ signal });
+    if (this.pendingReposts > 0) void p.then(() => this.repostHeld(), () => {});
+    return p;
   }
 
   receiveLocalMr(signal?: AbortSignal): Promise<LocalMr> {
-    return this.localMrs.take({ signal });
+    return this.memory.localMrs.take({ signal });
   }
 
   receiveRemoteMr(signal?: AbortSignal): Promise<RemoteMr> {
-    return this.remoteMrs.take({ signal });
+    return this.memory.remoteMrs.take({ signal });
   }
 
-  // ------------------------------------------------------ memory protocol
+  // ------------------------------------------------------ memory protocol (memory-protocol.ts)
 
   requestRemoteMr(size: number, leaseMs: number, timeoutMs: number | undefined, signal?: AbortSignal): Promise<RemoteMr> {
-    this.checkOpen("requestRemoteMr");
-    const token = this.nextToken++;
-    return new Promise<RemoteMr>((resolve, reject) => {
-      let timer: NodeJS.Timeout | null = null;
-      const cleanup = (): void => {
-        this.requests.delete(token);
-        if (timer) clearTimeout(timer);
-        signal?.removeEventListener("abort", onAbort);
-      };
-      const onAbort = (): void => {
-        cleanup();
-        reject(abortError(signal!));
-      };
-      if (signal?.aborted) return reject(abortError(signal));
-      signal?.addEventListener("abort", onAbort, { once: true });
-      if (timeoutMs !== undefined) {
-        timer = setTimeout(() => {
-          cleanup();
-          reject(new RdmaError("TIMEOUT", `requestRemoteMr(${size}): the peer did not answer within ${timeoutMs} ms`));
-        }, timeoutMs);
-      }
-      this.requests.set(token, {
-        resolve: (r) => {
-          cleanup();
-          resolve(r);
-        },
-        reject: (e) => {
-          cleanup();
-          reject(e);
-        },
-        sentAt: performance.now(),
-        leaseMs,
-      });
-      this.sendCtrl({ type: MsgType.MR_REQUEST, token, a: size, b: leaseMs });
-    });
+    if (!Number.isInteger(size) || size < 1 || size > 2 ** 32 - 1) throw new RdmaError("OUT_OF_RANGE", `requestRemoteMr: size ${size} is outside 1 .. 2^32 - 1`);
+    return this.memory.request(size, leaseMs, timeoutMs, signal, this);
   }
 
   /** Lends exactly `lmr`'s bytes to the peer (read, write, atomics) until it gives them back or the lease ends. */
   sendLocalMr(lmr: LocalMr, leaseMs: number, signal?: AbortSignal): Promise<void> {
-    this.checkOpen("sendLocalMr");
-    lmr.mem.check("sendLocalMr");
-    const token = this.nextToken++;
-    const mr = this.pool.grant(lmr.mem.alloc, lmr.start, lmr.length, Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC);
-    lmr.mem.lentTo = "sendLocalMr";
-    const lend: Lend = { mem: lmr.mem, mr, timer: null, start: lmr.start, length: lmr.length };
-    lend.timer = setTimeout(() => this.endLend(token, false), leaseMs);
-    lend.timer.unref();
-    this.lends.set(token, lend);
-    const op = this.newOp("msg");
-    const p = this.track<void>(op, signal);
-    this.sendCtrl({ type: MsgType.MR_LEND, token, a: lmr.length, b: leaseMs, addr: mr.addr, rkey: mr.rkey }, op);
-    return p;
+    return this.memory.lend(lmr, leaseMs, signal);
   }
 
   /** Gives a remote region back to its owner, who receives it with receiveLocalMr. */
   sendRemoteMr(rmr: RemoteMr, signal?: AbortSignal): Promise<void> {
     this.checkOpen("sendRemoteMr");
-    rmr.lease.check("sendRemoteMr");
-    // Ownership moves with the message: this side may not use the region any more.
-    rmr.lease.released = true;
-    const op = this.newOp("msg");
-    const p = this.track<void>(op, signal);
-    this.sendCtrl({ type: MsgType.MR_GIVE_BACK, token: rmr.lease.token, a: rmr.origin === "lent" ? 1 : 0 }, op);
-    return p;
-  }
-
-  private releaseRemote(token: number, origin: "granted" | "lent"): void {
-    if (this.failure || this.closing) return;
-    this.sendCtrl({ type: origin === "lent" ? MsgType.MR_RETURN : MsgType.MR_RELEASE, token });
-  }
-
-  private endGrant(token: number): Grant | null {
-    const g = this.grants.get(token);
-    if (!g) return null;
-    this.grants.delete(token);
-    if (g.timer) clearTimeout(g.timer);
-    // Revoke first: from here on any access with the rkey fails with a remote access error.
-    g.mr.deregister();
-    this.quotaUsed -= g.length;
-    return g;
-  }
-
-  private endLend(token: number, toQueue: boolean): void {
-    const l = this.lends.get(token);
-    if (!l) return;
-    this.lends.delete(token);
-    if (l.timer) clearTimeout(l.timer);
-    l.mr.deregister();
-    l.mem.lentTo = null;
-    if (toQueue) this.localMrs.push(new LocalMr(l.mem, l.start, l.length));
+    this.checkRemote(rmr, "sendRemoteMr");
+    return this.memory.giveBack(rmr, signal);
   }
 
   // ------------------------------------------------------------ completions
@@ -780,6 +910,7 @@ export class Connection {
     if (!op) return;
     this.slots[id] = null;
     this.freeSlots.push(id);
+    this.lastProgress = performance.now();
     if (op.kind === "recv") {
       const mem = this.recvSlots.get(id)!;
       this.recvSlots.delete(id);
@@ -813,23 +944,38 @@ export class Connection {
 
   private settleSend(op: Op, status: number): void {
     this.sqOutstanding--;
+    if (op.parts > 1 && status === WcStatus.SUCCESS) {
+      // A part of a chunked transfer: the operation settles with its last work request.
+      op.parts--;
+      return;
+    }
+    op.parts = 0;
     if (op.hdr) this.putHdr(op.hdr);
+    op.hdr = null;
     for (const m of op.mems) m.opDone();
-    if (op.signal && op.onAbort) op.signal.removeEventListener("abort", op.onAbort);
+    op.mems = [];
+    this.finish(op);
+    const resolve = op.resolve;
+    const reject = op.reject;
+    const then = op.then;
+    // A failed part settles the operation once; the parts after it complete flushed, silently.
+    op.resolve = op.reject = op.then = null;
     if (status === WcStatus.SUCCESS) {
       let v: unknown;
       if (op.result) {
         const a = op.result.alloc;
         v = new DataView(a.buffer, a.bufOffset, 8).getBigUint64(0, true);
         op.result.release();
+        op.result = null;
       }
-      if (op.then) op.then(true);
-      op.resolve?.(v);
+      if (then) then(true);
+      resolve?.(v);
     } else {
       op.result?.release();
+      op.result = null;
       const err = this.failFromStatus(status, op.kind);
-      if (op.then) op.then(false);
-      op.reject?.(err);
+      if (then) then(false);
+      reject?.(err);
     }
   }
 
@@ -844,11 +990,13 @@ export class Connection {
   }
 
   private onReceive(mem: LocalMemory, opcode: number, byteLen: number, imm: number): void {
-    this.lastActivity = performance.now();
+    this.lastActivity = this.lastArrival = performance.now();
+    this.pingOutstanding = false;
     if (opcode === WcOpcode.RECV_RDMA_WITH_IMM) {
       mem.release();
-      this.repostRecv();
       this.writeImms.push(imm);
+      // An unread immediate holds a credit like an unread message.
+      this.repostOrHold();
       return;
     }
     const a = mem.alloc;
@@ -865,6 +1013,11 @@ export class Connection {
       return;
     }
     this.credits += m.credits;
+    if (this.credits > this.peer.recvDepth) {
+      mem.release();
+      this.protocolError(`peer returned more credits than its ${this.peer.recvDepth} receive buffers`);
+      return;
+    }
     if (m.credits > 0 && (this.creditQ.length || this.ctrlQ.length || this.dataQ.length)) this.flush();
     switch (m.type) {
       case MsgType.DATA: {
@@ -873,11 +1026,10 @@ export class Connection {
           return this.protocolError(`DATA message claims ${m.a} bytes but carries ${byteLen - HDR}`);
         }
         const lmr = new LocalMr(mem, HDR, m.a);
-        this.incoming.push({ ready: true, mr: lmr, imm: m.flags & 1 ? m.imm : undefined });
+        this.incoming.push({ ready: true, mr: lmr, imm: m.flags & 1 ? m.imm : undefined, rndv: null });
         this.heldRecvs++;
-        // The buffer now belongs to the user; post a new one unless too many are held unread.
-        if (this.heldRecvs <= this.maxHeld()) this.repostRecv();
-        else this.pendingReposts++;
+        // The buffer now belongs to the user; post a new one unless too much is held unread.
+        this.repostOrHold();
         this.deliver();
         return;
       }
@@ -886,9 +1038,7 @@ export class Connection {
         if (m.a > this.opts.maxMessageSize) {
           return this.protocolError(`rendezvous message of ${m.a} bytes exceeds this side's maxMessageSize (${this.opts.maxMessageSize})`);
         }
-        // An unread rendezvous message holds memory like an unread eager one: same throttle.
-        if (this.heldRecvs < this.maxHeld()) this.repostRecv();
-        else this.pendingReposts++;
+        if (m.a === 0) return this.protocolError("rendezvous message of 0 bytes");
         return this.onRendezvous(m);
       default:
         mem.release();
@@ -897,108 +1047,111 @@ export class Connection {
     }
   }
 
+  /**
+   * An announced rendezvous message: READ it into memory of our own once the
+   * process-wide peer memory budget allows (memory/budget.ts), in arrival
+   * order; an unread one holds a credit like an eager message.
+   */
   private onRendezvous(m: Msg): void {
     // `m` is the reused decode buffer: copy what the continuation needs.
-    const { token, a: len, addr, rkey } = m;
-    const entry: Incoming = { ready: false, mr: null, imm: m.b === 1 ? m.imm : undefined };
+    const entry: Incoming = { ready: false, mr: null, imm: m.b === 1 ? m.imm : undefined, rndv: { token: m.token, len: m.a, addr: m.addr, rkey: m.rkey, done: false, cancelled: false, started: false } };
     this.incoming.push(entry);
     this.heldRecvs++;
-    let dst: LocalMemory;
-    try {
-      dst = new LocalMemory(this.pool, this.pool.alloc(len));
-    } catch (e) {
-      return this.protocolError(`cannot allocate ${len} bytes for a rendezvous message: ${(e as Error).message}`);
+    this.repostOrHold();
+    this.rndvWaiting.push(entry);
+    this.startRendezvousReads();
+  }
+
+  private startRendezvousReads(): void {
+    while (this.rndvWaiting.length > 0 && !this.down) {
+      const entry = this.rndvWaiting[0]!;
+      const r = entry.rndv!;
+      if (!peerMemory.take(r.len)) {
+        // Wait for memory to come back (any connection of the process).
+        this.unsubscribeBudget ??= peerMemory.onFree(() => this.startRendezvousReads());
+        return;
+      }
+      this.rndvWaiting.shift();
+      let dst: LocalMemory;
+      try {
+        dst = new LocalMemory(this.pool, this.pool.alloc(r.len), () => peerMemory.give(r.len));
+      } catch (e) {
+        peerMemory.give(r.len);
+        return this.protocolError(`cannot allocate ${r.len} bytes for a rendezvous message: ${(e as Error).message}`);
+      }
+      r.started = true;
+      const op = this.newOp("read");
+      op.then = (ok) => {
+        if (!ok) return dst.release();
+        r.done = true;
+        if (r.cancelled) {
+          // The sender gave up before we delivered: drop it and say so.
+          dst.release();
+          this.dropIncoming(entry);
+          this.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, a: RndvStatus.CANCELLED });
+          return;
+        }
+        entry.ready = true;
+        entry.mr = new LocalMr(dst, 0, r.len);
+        this.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, a: RndvStatus.DELIVERED });
+        this.deliver();
+      };
+      this.postTransfer(op, WrOpcode.RDMA_READ, new LocalMr(dst, 0, r.len), r.addr, r.rkey, undefined, 0);
     }
-    const op = this.newOp("read");
-    op.then = (ok) => {
-      if (!ok) return dst.release();
-      entry.ready = true;
-      entry.mr = new LocalMr(dst, 0, len);
-      this.sendCtrl({ type: MsgType.RNDV_DONE, token });
-      this.deliver();
-    };
-    const a = dst.alloc;
-    this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.RDMA_READ, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: len, lkey: a.mr.lkey }], remoteAddr: addr, rkey }, op, credit: 0, hdr: null });
+    if (this.rndvWaiting.length === 0 && this.unsubscribeBudget) {
+      this.unsubscribeBudget();
+      this.unsubscribeBudget = null;
+    }
+  }
+
+  /** Removes an undelivered message from the arrival queue (it no longer holds a credit). */
+  private dropIncoming(entry: Incoming): void {
+    const i = this.incoming.indexOf(entry);
+    if (i < 0) return;
+    this.incoming.splice(i, 1);
+    this.heldRecvs--;
+    this.repostHeld();
+    this.deliver();
+  }
+
+  private onRendezvousCancel(token: number): void {
+    const entry = this.incoming.find((e) => e.rndv?.token === token && !e.rndv.done);
+    if (!entry) return; // already delivered (RNDV_DONE sent), or unknown: the sender settles on our RNDV_DONE
+    const r = entry.rndv!;
+    r.cancelled = true;
+    if (r.started) return; // the READ's completion answers
+    const w = this.rndvWaiting.indexOf(entry);
+    if (w >= 0) this.rndvWaiting.splice(w, 1);
+    r.done = true;
+    this.dropIncoming(entry);
+    this.sendCtrl({ type: MsgType.RNDV_DONE, token, a: RndvStatus.CANCELLED });
   }
 
   private onControl(m: Msg): void {
     switch (m.type) {
       case MsgType.CREDIT:
         return;
+      case MsgType.PING:
+        return this.sendCtrl({ type: MsgType.PONG, token: m.token });
+      case MsgType.PONG:
+        return;
       case MsgType.RNDV_DONE: {
         const r = this.rndvOut.get(m.token);
         if (!r) return this.protocolError(`RNDV_DONE for unknown rendezvous ${m.token}`);
-        r.resolve();
+        if (m.a === RndvStatus.CANCELLED) {
+          if (!r.cancelReason) return this.protocolError(`RNDV_DONE cancels rendezvous ${m.token}, which was not cancelled`);
+          r.reject(r.cancelReason);
+        } else r.resolve();
         return;
       }
-      case MsgType.MR_REQUEST:
-        return this.onMrRequest(m.token, m.a, m.b);
-      case MsgType.MR_GRANT: {
-        const r = this.requests.get(m.token);
-        if (!r) {
-          // The request timed out or was aborted: give the memory straight back.
-          this.sendCtrl({ type: MsgType.MR_RELEASE, token: m.token });
-          return;
-        }
-        const lease = new RemoteLease(m.token, r.sentAt + Math.min(m.b, r.leaseMs), (t) => this.releaseRemote(t, "granted"));
-        r.resolve(new RemoteMr(m.addr, m.a, m.rkey, lease, "granted"));
-        return;
-      }
-      case MsgType.MR_DENY: {
-        const r = this.requests.get(m.token);
-        if (!r) return;
-        const code: RdmaErrorCode = m.a === DenyReason.QUOTA ? "QUOTA_EXCEEDED" : "RESOURCE_EXHAUSTED";
-        r.reject(new RdmaError(code, m.a === DenyReason.QUOTA ? "requestRemoteMr: the peer's quota for this connection is used up; release remote regions first" : "requestRemoteMr: the peer could not allocate the memory"));
-        return;
-      }
-      case MsgType.MR_RELEASE: {
-        const g = this.endGrant(m.token);
-        g?.mem.release();
-        return;
-      }
-      case MsgType.MR_LEND: {
-        const lease = new RemoteLease(m.token, performance.now() + m.b, (t) => this.releaseRemote(t, "lent"));
-        this.remoteMrs.push(new RemoteMr(m.addr, m.a, m.rkey, lease, "lent"));
-        return;
-      }
-      case MsgType.MR_RETURN:
-        return this.endLend(m.token, false);
-      case MsgType.MR_GIVE_BACK: {
-        if (m.a === 1) return this.endLend(m.token, true);
-        const g = this.endGrant(m.token);
-        if (g) this.localMrs.push(new LocalMr(g.mem, 0, g.length));
-        return;
-      }
+      case MsgType.RNDV_CANCEL:
+        return this.onRendezvousCancel(m.token);
       case MsgType.CLOSE:
         return this.onPeerClose();
       default:
+        if (this.memory.onMessage(m, this)) return;
         return this.protocolError(`unexpected control message ${m.type}`);
     }
-  }
-
-  private onMrRequest(token: number, size: number, leaseMs: number): void {
-    if (size === 0 || size > this.pool.pd.device.attr.maxMrSize) return this.sendCtrl({ type: MsgType.MR_DENY, token, a: DenyReason.TOO_LARGE });
-    if (this.quotaUsed + size > this.opts.quotaBytes) return this.sendCtrl({ type: MsgType.MR_DENY, token, a: DenyReason.QUOTA });
-    let mem: LocalMemory;
-    let mr: MemoryRegion;
-    try {
-      mem = new LocalMemory(this.pool, this.pool.alloc(size));
-      // A registration over exactly the granted bytes: never the slab around them.
-      mr = this.pool.grant(mem.alloc, 0, size, Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC);
-    } catch {
-      return this.sendCtrl({ type: MsgType.MR_DENY, token, a: DenyReason.NO_MEMORY });
-    }
-    const lease = Math.min(leaseMs || this.opts.defaultLeaseMs, this.opts.maxLeaseMs);
-    const g: Grant = { mem, mr, timer: null, length: size };
-    // The lease runs on this side's monotonic clock from the moment of the grant.
-    g.timer = setTimeout(() => {
-      const x = this.endGrant(token);
-      x?.mem.release();
-    }, lease);
-    g.timer.unref();
-    this.grants.set(token, g);
-    this.quotaUsed += size;
-    this.sendCtrl({ type: MsgType.MR_GRANT, token, a: size, b: lease, addr: mr.addr, rkey: mr.rkey });
   }
 
   // ------------------------------------------------------------- lifecycle
@@ -1007,7 +1160,7 @@ export class Connection {
     this.fail(new RdmaError("CONNECTION_CLOSED", `connection failed: ${e.reason}`));
   }
 
-  private protocolError(reason: string): void {
+  protocolError(reason: string): void {
     const err = new RdmaError("PROTOCOL", `malformed control message from the peer: ${reason}; connection closed`);
     this.fail(err);
   }
@@ -1020,21 +1173,33 @@ export class Connection {
   fail(err: RdmaError): void {
     if (this.failure) return;
     this.failure = err;
-    for (const r of [...this.requests.values()]) r.reject(err);
+    this.memory.fail(err);
     for (const r of [...this.rndvOut.values()]) r.reject(err);
     for (const w of this.recvWaiters.splice(0)) {
       w.cleanup();
       w.reject(err);
     }
     this.writeImms.fail(err);
-    this.localMrs.fail(err);
-    this.remoteMrs.fail(err);
-    for (const p of [...this.creditQ.splice(0), ...this.ctrlQ.splice(0), ...this.dataQ.splice(0)]) {
-      p.hdr?.release();
-      for (const m of p.op.mems) m.opDone();
-      p.op.result?.release();
-      p.op.then?.(false);
-      p.op.reject?.(err);
+    // Work that never reached the send queue: freed now, its operations rejected (once each).
+    const queued = [...this.creditQ.splice(0), ...this.ctrlQ.splice(0), ...this.dataQ.splice(0)];
+    const ops = new Map<Op, Pending[]>();
+    for (const p of queued) {
+      const l = ops.get(p.op);
+      if (l) l.push(p);
+      else ops.set(p.op, [p]);
+    }
+    for (const [op, parts] of ops) {
+      if (op.posted) {
+        // Some parts were posted: they settle the op with their (flushed) completions.
+        for (const p of parts) if (p.hdr) this.putHdr(p.hdr);
+        op.parts -= parts.length;
+        if (op.parts <= 0) this.dropQueued(op, [], err);
+      } else this.dropQueued(op, parts, err);
+    }
+    this.rndvWaiting.length = 0;
+    if (this.unsubscribeBudget) {
+      this.unsubscribeBudget();
+      this.unsubscribeBudget = null;
     }
     if (this.qp.state !== QpState.ERR) {
       try {
@@ -1064,26 +1229,64 @@ export class Connection {
   private teardown(): void {
     if (this.closed) return;
     this.closed = true;
+    this.releaseAll();
+    this.cq.onNotify = null;
+    this.qp.onEvent = null;
+    this.onClosed();
+    for (const r of this.closedWaiters.splice(0)) r();
+  }
+
+  /**
+   * Frees everything this connection holds, whatever the peer sent: grants
+   * and lends (revoked first), regions handed back and never picked up,
+   * messages received and never read, receive and control buffers, and any
+   * operation whose completion never came.
+   */
+  private releaseAll(): void {
     if (this.keepalive) clearInterval(this.keepalive);
+    this.keepalive = null;
     if (this.drainDeadline) clearTimeout(this.drainDeadline);
-    for (const t of [...this.grants.keys()]) this.endGrant(t)?.mem.release();
-    for (const t of [...this.lends.keys()]) this.endLend(t, false);
+    this.memory.teardown();
+    for (const r of this.rndvOut.values()) if (r.timer) clearTimeout(r.timer);
     // Any op still pending (a completion that never came) is settled now.
     for (let i = 0; i < this.slots.length; i++) {
       const op = this.slots[i];
       if (!op) continue;
       this.slots[i] = null;
+      if (op.kind === "recv") continue;
       op.hdr?.release();
+      op.hdr = null;
       op.result?.release();
-      op.reject?.(this.failure);
+      op.result = null;
+      for (const m of op.mems) m.opDone();
+      op.mems = [];
+      this.finish(op);
+      const then = op.then;
+      const reject = op.reject;
+      op.then = op.resolve = op.reject = null;
+      then?.(false);
+      reject?.(this.failure);
     }
     for (const m of this.recvSlots.values()) m.release();
     this.recvSlots.clear();
     for (const h of this.hdrFree.splice(0)) h.release();
+    for (const e of this.incoming.splice(0)) e.mr?.mem.release();
+    this.heldRecvs = 0;
+    this.writeImms.drain();
+  }
+
+  /**
+   * A connection whose setup failed before start(): frees its receive and
+   * control buffers and marks it closed. The caller destroys the QP and CQ.
+   */
+  abandon(reason: RdmaError): void {
+    if (this.closed) return;
+    if (!this.failure) this.failure = reason;
+    this.closed = true;
+    this.memory.fail(reason);
+    this.releaseAll();
     this.cq.onNotify = null;
     this.qp.onEvent = null;
-    this.onClosed();
-    for (const r of this.closedWaiters.splice(0)) r();
   }
 
   private readonly closedWaiters: (() => void)[] = [];
@@ -1123,7 +1326,7 @@ export class Connection {
     return this.closed;
   }
 
-  stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number } {
-    return { credits: this.credits, sqOutstanding: this.sqOutstanding, grants: this.grants.size, quotaUsed: this.quotaUsed, lends: this.lends.size };
+  stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number } {
+    return { credits: this.credits, sqOutstanding: this.sqOutstanding, ...this.memory.stats(), unread: this.held(), rendezvousOut: this.rndvOut.size };
   }
 }

@@ -31,6 +31,10 @@ export interface ResolvedSettings {
   eagerMax: number;
   recvDepth: number;
   quotaBytes: number;
+  maxRegions: number;
+  leaseGraceMs: number;
+  peerTimeoutMs: number;
+  rendezvousTimeoutMs: number;
   defaultLeaseMs: number;
   maxLeaseMs: number;
   connectTimeoutMs: number;
@@ -68,12 +72,16 @@ const DEFAULTS: ResolvedSettings = {
   eagerMax: 4096,
   recvDepth: 32,
   quotaBytes: 64 * 1024 * 1024,
+  maxRegions: 256,
+  leaseGraceMs: 1_000,
+  peerTimeoutMs: 15_000,
+  rendezvousTimeoutMs: 60_000,
   defaultLeaseMs: 60_000,
   maxLeaseMs: 3_600_000,
   connectTimeoutMs: 10_000,
   closeTimeoutMs: 2_000,
   keepaliveMs: 2_000,
-  maxMessageSize: 1 << 30,
+  maxMessageSize: 64 << 20,
   cm: "tcp",
 };
 
@@ -179,6 +187,35 @@ export class RdmaBuilder {
     this.s.quotaBytes = checkInt("remoteMemoryQuota", bytes, 0, Number.MAX_SAFE_INTEGER);
     return this;
   }
+  /** Regions of this side's memory the peer may hold through requestRemoteMr at once (default 256). */
+  setMaxRemoteRegions(n: number): this {
+    this.s.maxRegions = checkInt("maxRemoteRegions", n, 0, 1 << 20);
+    return this;
+  }
+  /**
+   * How long after a lease ends the owner still keeps the region registered
+   * (default 1000 ms): covers the delivery of the grant or lend and the flight
+   * of an operation the borrower started just before its deadline.
+   */
+  setLeaseGrace(ms: number): this {
+    this.s.leaseGraceMs = checkInt("leaseGrace", ms, 0, 2 ** 31);
+    return this;
+  }
+  /**
+   * While this side waits on the peer (operations posted, a keepalive PING
+   * sent), the peer must make progress within this bound or the connection
+   * fails with RETRY_EXCEEDED (default 15000 ms; 0: no bound). It must exceed
+   * the longest event-loop stall the peer may have.
+   */
+  setPeerTimeout(ms: number): this {
+    this.s.peerTimeoutMs = checkInt("peerTimeout", ms, 0, 2 ** 31);
+    return this;
+  }
+  /** A rendezvous send the peer has not taken within this is cancelled (default 60000 ms; 0: never). */
+  setRendezvousTimeout(ms: number): this {
+    this.s.rendezvousTimeoutMs = checkInt("rendezvousTimeout", ms, 0, 2 ** 31);
+    return this;
+  }
   /** Lease of granted and lent memory when none is asked for. */
   setDefaultLease(ms: number): this {
     this.s.defaultLeaseMs = checkInt("defaultLease", ms, 1, 2 ** 31);
@@ -188,12 +225,15 @@ export class RdmaBuilder {
     this.s.maxLeaseMs = checkInt("maxLease", ms, 1, 2 ** 31);
     return this;
   }
-  /** Largest two-sided message accepted from the peer (a rendezvous allocates that much); default 1 GiB. */
+  /** Largest two-sided message accepted from the peer (a rendezvous allocates that much); default 64 MiB. */
   setMaxMessageSize(bytes: number): this {
     this.s.maxMessageSize = checkInt("maxMessageSize", bytes, 1, 2 ** 31);
     return this;
   }
-  /** Idle time after which the connection probes its peer (0: never); a dead peer then fails the connection. */
+  /**
+   * Idle time after which the connection PINGs its peer's agent (default 2000 ms; 0: never);
+   * a peer that does not answer within the peer timeout fails the connection.
+   */
   setKeepalive(ms: number): this {
     this.s.keepaliveMs = checkInt("keepalive", ms, 0, 2 ** 31);
     return this;

@@ -141,6 +141,8 @@ export class LocalMr {
 /** The lease state shared by a RemoteMr and its slices. */
 export class RemoteLease {
   released = false;
+  /** The connection this region was granted or lent to (null: not checked, internal use). */
+  owner: object | null = null;
   constructor(
     readonly token: number,
     /** performance.now() deadline on this side's monotonic clock (Infinity: none). */
