@@ -5,7 +5,7 @@
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { spawn } from "node:child_process";
+import { spawn, type ChildProcess } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { dirname, join } from "node:path";
 import { RdmaError } from "../../src/index.js";
@@ -14,7 +14,57 @@ import { SLOW } from "../support/seam.js";
 
 const peer = join(dirname(fileURLToPath(import.meta.url)), "..", "support", "api-peer.js");
 
+function startPeer(port: number, mode = "wait"): Promise<ChildProcess> {
+  const child = spawn(process.execPath, [peer, at(port), mode], { stdio: ["ignore", "pipe", "inherit"] });
+  return new Promise<ChildProcess>((resolve, reject) => {
+    child.stdout!.on("data", (d: Buffer) => d.toString().includes("connected") && resolve(child));
+    child.once("exit", (c) => reject(new Error(`peer exited early (${c})`)));
+  });
+}
+
 describe(`API peer death [${PROVIDER}, ${CM}]`, () => {
+  it("a stopped peer (SIGSTOP) settles every pending operation within keepalive + peer timeout, and the survivor keeps serving", async () => {
+    const listener = await builder("server").setKeepalive(100).setPeerTimeout(1_000 * SLOW).bind(at(0));
+    const children: ChildProcess[] = [];
+    try {
+      const child = await startPeer(listener.port);
+      children.push(child);
+      const rdma = await listener.accept({ timeoutMs: 10_000 * SLOW });
+      child.kill("SIGSTOP");
+      const t0 = performance.now();
+      using big = rdma.allocLocalMr(8 << 20);
+      const ops = [rdma.receive(), rdma.send(big), rdma.requestRemoteMr(8)];
+      for (const p of ops) {
+        await assert.rejects(p, (e: unknown) => {
+          assert.ok(e instanceof RdmaError);
+          assert.ok(["CONNECTION_CLOSED", "RETRY_EXCEEDED", "FLUSHED"].includes(e.code), `${e.code}: ${e.message}`);
+          return true;
+        });
+      }
+      const ms = performance.now() - t0;
+      assert.ok(ms < 10_000 * SLOW, `took ${ms.toFixed(0)} ms`);
+      await rdma.close();
+      assert.equal(rdma.stats().rendezvousOut, 0);
+      // the survivor keeps serving: a new peer connects and gets its echo
+      const next = await startPeer(listener.port, "echo");
+      children.push(next);
+      const r2 = await listener.accept({ timeoutMs: 10_000 * SLOW });
+      using m = r2.allocLocalMr(64 * 1024);
+      m.bytes.fill(5);
+      await r2.send(m);
+      using back = await r2.receive();
+      assert.equal(back.length, 64 * 1024);
+      assert.equal(back.bytes[100], 5);
+      await r2.close();
+    } finally {
+      for (const c of children) {
+        c.kill("SIGCONT");
+        c.kill("SIGKILL");
+      }
+      await listener.close();
+    }
+  });
+
   it("kill -9 of the peer rejects pending receives with a typed error, in bounded time", async () => {
     const listener = await builder("server").setKeepalive(100).setAckTimeout(12).setRetryCount(3).bind(at(0));
     const child = spawn(process.execPath, [peer, at(listener.port)], { stdio: ["ignore", "pipe", "inherit"] });

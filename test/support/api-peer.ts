@@ -1,6 +1,7 @@
 /**
  * A client process for API peer-death tests: connects to argv[2], prints
- * "connected", then waits until killed.
+ * "connected", then (argv[3] = "echo") sends back every message it receives,
+ * or (default) waits until killed.
  */
 import { RdmaBuilder } from "../../src/index.js";
 
@@ -13,4 +14,12 @@ if (process.env.ASYNC_RDMA_PROVIDER === "verbs") {
 }
 const rdma = await b.connect(process.argv[2]!);
 console.log("connected");
-await rdma.receive().catch(() => {});
+if (process.argv[3] === "echo") {
+  for (;;) {
+    const m = await rdma.receive().catch(() => null);
+    if (!m) break;
+    await rdma.send(m).catch(() => {});
+    m.dispose();
+  }
+  await rdma.close();
+} else await rdma.receive().catch(() => {});
