@@ -30,11 +30,13 @@ import type { MemoryRegion } from "../transport/types.js";
 import { LocalMemory, LocalMr, type RemoteMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
-import { AsyncQueue, abortError } from "./queue.js";
+import { AbortWatch, AsyncQueue, abortError } from "./queue.js";
 import { HDR, MsgType, RndvStatus, decodeMsg, encodeMsg, newMsg, type Msg } from "./codec.js";
 import { MemoryProtocol, type CtrlMsg, type MemoryHost } from "./memory-protocol.js";
+import { Poller } from "./poller.js";
 
-export type PollingMode = "event" | "busy" | "adaptive";
+import type { PollingMode } from "./poller.js";
+export type { PollingMode };
 
 export interface ConnectionOptions {
   /** Receive buffers posted for the peer's messages. */
@@ -88,12 +90,8 @@ export interface PeerParams {
 const CREDIT_RESERVE = 1;
 const CTRL_RESERVE = 3;
 const CTRL_BUF = 64;
-/** Completions handled per event-loop turn before yielding ("512 ops" as zeromq.js does). */
-const POLL_BUDGET = 512;
 /** At least one signaled WR per this many, so the send queue drains under selective signaling. */
 const SIGNAL_EVERY = 32;
-/** Synchronous CQ polls after posting, per event-loop turn, in busy and adaptive modes. */
-const SYNC_POLLS = 64;
 /**
  * One-sided transfers are posted as work requests of at most this many bytes
  * (one operation, one promise): completions keep coming during a long
@@ -115,8 +113,8 @@ interface Op {
   result: LocalMemory | null;
   /** Called on success instead of resolve (internal continuations). */
   then: ((ok: boolean) => void) | null;
-  signal: AbortSignal | null;
-  onAbort: (() => void) | null;
+  /** Stops watching the operation's signal (AbortWatch); null when it has none or it ended. */
+  unwatch: (() => void) | null;
   /** Work requests still to complete (chunked transfers post several). */
   parts: number;
   /** Some work request of it reached the send queue (an abort can no longer recall it). */
@@ -193,6 +191,11 @@ export class Connection implements MemoryHost {
 
   private credits: number;
   private toReturn = 0;
+  /**
+   * The credits the peer sees (receives of ours it may consume): our depth,
+   * less every receive it consumed, plus every credit we reported.
+   */
+  private peerCredits: number;
   private sqOutstanding = 0;
   /** Slot ids of posted send WRs, in post order (completions arrive in this order). */
   private sqFifo: number[] = [];
@@ -202,12 +205,7 @@ export class Connection implements MemoryHost {
   private creditQ: Pending[] = [];
   private dataQ: Pending[] = [];
   private flushScheduled = false;
-  private readonly cbuf = new CompletionBuffer(128);
-  private polling = false;
-  private lastActivity = 0;
-  private pollScheduled = false;
-  /** Synchronous polls right after a post in this event-loop turn (busy/adaptive). */
-  private syncPolls = 0;
+  private readonly poller: Poller;
 
   private readonly incoming: Incoming[] = [];
   private readonly recvWaiters: { resolve: (v: { mr: LocalMr; imm: number | undefined }) => void; reject: (e: unknown) => void; cleanup: () => void }[] = [];
@@ -240,6 +238,7 @@ export class Connection implements MemoryHost {
     this.opts = opts;
     this.peer = peer;
     this.credits = peer.recvDepth;
+    this.peerCredits = opts.recvDepth;
     this.onClosed = onClosed;
     this.memory = new MemoryProtocol(this, {
       quotaBytes: opts.quotaBytes,
@@ -250,7 +249,7 @@ export class Connection implements MemoryHost {
       maxRegionSize: Math.min(pool.pd.device.attr.maxMrSize, 2 ** 32 - 1),
     });
     qp.onEvent = (e: AsyncEvent) => this.onQpEvent(e);
-    cq.onNotify = () => this.pollNow();
+    this.poller = new Poller(cq, opts.polling, opts.spinUs, (b, i) => this.onCompletion(b, i), () => this.afterDrain());
   }
 
   /** MemoryHost: the connection failed or is closing. */
@@ -275,8 +274,7 @@ export class Connection implements MemoryHost {
 
   /** Starts completion processing (after connect). */
   start(): void {
-    if (this.opts.polling !== "busy") this.cq.requestNotify();
-    this.pollNow();
+    this.poller.start();
     const { keepaliveMs: k, peerTimeoutMs: t } = this.opts;
     const every = Math.min(k > 0 ? k : Infinity, t > 0 ? Math.max(10, t / 4) : Infinity);
     if (every !== Infinity) {
@@ -314,7 +312,7 @@ export class Connection implements MemoryHost {
   // ------------------------------------------------------------------ slots
 
   private newOp(kind: OpKind): Op {
-    return { kind, resolve: null, reject: null, mems: [], hdr: null, result: null, then: null, signal: null, onAbort: null, parts: 1, posted: false };
+    return { kind, resolve: null, reject: null, mems: [], hdr: null, result: null, then: null, unwatch: null, parts: 1, posted: false };
   }
 
   private slot(op: Op): number {
@@ -353,7 +351,7 @@ export class Connection implements MemoryHost {
   private repostRecv(): void {
     if (this.failure || this.closed) return;
     this.recvBatch.push(this.newRecv());
-    if (!this.polling) this.postRecvBatch();
+    if (!this.poller.draining) this.postRecvBatch();
   }
 
   /** Posts the batched receives (one postRecv), and only then counts them as credits to return. */
@@ -439,6 +437,7 @@ export class Connection implements MemoryHost {
           // piggyback the receive buffers we re-posted since the last report
           const a = p.hdr.alloc;
           new DataView(a.buffer, a.bufOffset + 4, 4).setUint32(0, this.toReturn);
+          this.peerCredits += this.toReturn;
           this.toReturn = 0;
         }
         const id = this.slot(p.op);
@@ -466,26 +465,12 @@ export class Connection implements MemoryHost {
     }
     if (this.sqOutstanding === 0) this.lastProgress = performance.now();
     this.sqOutstanding += batch.length;
-    this.lastActivity = performance.now();
     try {
       this.qp.postSend(batch);
     } catch (e) {
       this.fail(e instanceof RdmaError ? e : new RdmaError("DEVICE", `postSend failed: ${(e as Error).message}`, { cause: e }));
     }
-    // Busy and adaptive modes look for the completions at once (a loopback or software device
-    // often completes inside the post; on an HCA a small message completes within
-    // microseconds), then keep polling from the next turns. At most SYNC_POLLS of these
-    // synchronous looks per event-loop turn: a chain of operations whose completions are
-    // always ready must not starve timers and I/O.
-    if (this.opts.polling !== "event") {
-      // Only when nothing else was outstanding (a request/response step): with a window in
-      // flight the poll loop is already running and an extra poll per post only costs.
-      if (this.sqOutstanding === batch.length && this.syncPolls < SYNC_POLLS) {
-        this.syncPolls++;
-        this.pollNow();
-      }
-      this.schedulePoll();
-    }
+    this.poller.afterPost(batch.length, this.sqOutstanding);
   }
 
   /**
@@ -496,7 +481,15 @@ export class Connection implements MemoryHost {
    * ping-pong). Without the second case both sides can wait on each other.
    */
   private maybeSendCredits(): void {
-    if (this.creditQ.length > 0 || this.toReturn < 2) return;
+    if (this.creditQ.length > 0 || this.toReturn < 1) return;
+    // The peer may be unable to send us data (it sees fewer credits than a data message
+    // needs): return what we have now, even one. Each CREDIT raises the peer's credits by
+    // what it carries, so two starved sides cannot ping-pong CREDIT messages for ever.
+    if (this.peerCredits < CREDIT_RESERVE + CTRL_RESERVE + 1) {
+      this.sendCtrl({ type: MsgType.CREDIT }, null, 3);
+      return;
+    }
+    if (this.toReturn < 2) return;
     const idle = this.ctrlQ.length === 0 && this.dataQ.length === 0;
     if (idle) {
       if (this.toReturn >= Math.max(2, this.opts.recvDepth >> 2)) this.sendCtrl({ type: MsgType.CREDIT }, null, 3);
@@ -521,26 +514,25 @@ export class Connection implements MemoryHost {
       op.resolve = resolve as (v: unknown) => void;
       op.reject = reject;
       if (signal) {
-        op.signal = signal;
-        op.onAbort = () => {
+        op.unwatch = this.aborts.add(signal, () => {
           if (op.posted) return; // settles with its completion
           const mine: Pending[] = [];
           for (const q of [this.creditQ, this.ctrlQ, this.dataQ]) {
             for (let i = q.length - 1; i >= 0; i--) if (q[i]!.op === op) mine.push(...q.splice(i, 1));
           }
           this.dropQueued(op, mine, abortError(signal));
-        };
-        signal.addEventListener("abort", op.onAbort, { once: true });
+        });
       }
     });
   }
 
   /** The abort listener goes with the operation, however it ends. */
   private finish(op: Op): void {
-    if (op.signal && op.onAbort) op.signal.removeEventListener("abort", op.onAbort);
-    op.signal = null;
-    op.onAbort = null;
+    op.unwatch?.();
+    op.unwatch = null;
   }
+
+  private readonly aborts = new AbortWatch();
 
   /** An operation none of whose work requests was posted is dropped: its resources freed, its promise rejected. */
   private dropQueued(op: Op, parts: Pending[], err: unknown): void {
@@ -607,12 +599,12 @@ export class Connection implements MemoryHost {
     const mr = this.pool.grant(lmr.mem.alloc, lmr.start, len, Access.REMOTE_READ);
     lmr.mem.inflight++;
     return new Promise<void>((resolve, reject) => {
-      const onAbort = (): void => this.cancelRendezvous(token, abortError(signal!));
+      let unwatch: (() => void) | null = null;
       const settle = (): void => {
         const r = this.rndvOut.get(token);
         if (r?.timer) clearTimeout(r.timer);
         this.rndvOut.delete(token);
-        signal?.removeEventListener("abort", onAbort);
+        unwatch?.();
         mr.deregister();
         lmr.mem.opDone();
       };
@@ -630,7 +622,6 @@ export class Connection implements MemoryHost {
         timer: null,
       };
       this.rndvOut.set(token, entry);
-      signal?.addEventListener("abort", onAbort, { once: true });
       if (this.opts.rendezvousTimeoutMs > 0) {
         entry.timer = setTimeout(() => this.cancelRendezvous(token, new RdmaError("TIMEOUT", `send: the peer did not take the ${len}-byte message within ${this.opts.rendezvousTimeoutMs} ms (rendezvousTimeoutMs)`)), this.opts.rendezvousTimeoutMs);
         entry.timer.unref();
@@ -643,18 +634,17 @@ export class Connection implements MemoryHost {
       const a = hdr.alloc;
       const n = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.RNDV, flags: 0, credits: 0, imm: imm ?? 0, token, a: len, b: imm === undefined ? 0 : 1, addr: mr.addr, rkey: mr.rkey, id: 0 });
       op.hdr = hdr;
-      // The announcement itself is abortable while queued: then nothing reached the wire.
-      op.signal = signal ?? null;
+      // While the announcement waits in the queue an abort removes it (nothing reached the
+      // wire); once posted, an abort cancels the rendezvous with the peer.
       if (signal) {
-        op.onAbort = () => {
-          if (op.posted) return;
+        unwatch = this.aborts.add(signal, () => {
+          if (op.posted) return this.cancelRendezvous(token, abortError(signal));
           const mine: Pending[] = [];
           for (let i = this.dataQ.length - 1; i >= 0; i--) if (this.dataQ[i]!.op === op) mine.push(...this.dataQ.splice(i, 1));
           op.then = null;
           this.dropQueued(op, mine, null);
           this.rndvOut.get(token)?.reject(abortError(signal));
-        };
-        signal.addEventListener("abort", op.onAbort, { once: true });
+        });
       }
       this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: n, lkey: a.mr.lkey }] }, op, credit: 2, hdr });
     });
@@ -854,56 +844,15 @@ export class Connection implements MemoryHost {
   // ------------------------------------------------------------ completions
 
   private pollNow(): void {
-    if (this.polling || this.closed) return;
-    this.polling = true;
-    try {
-      this.drainCq();
-    } finally {
-      this.polling = false;
-    }
+    this.poller.pollNow();
+  }
+
+  private afterDrain(): void {
     this.postRecvBatch();
     if (this.failure && !this.closed && this.sqOutstanding === 0 && this.recvSlots.size === 0) this.teardown();
   }
 
-  private drainCq(): void {
-    let budget = POLL_BUDGET;
-    let n: number;
-    while (budget > 0 && (n = this.cq.poll(this.cbuf, Math.min(this.cbuf.capacity, budget))) > 0) {
-      budget -= n;
-      for (let i = 0; i < n; i++) this.onCompletion(i);
-    }
-    if (budget === 0) return this.schedulePoll();
-    if (this.opts.polling === "busy") {
-      // Busy: the CQ is never armed while the connection is open, so no completion ever
-      // takes the event path (on verbs: channel read, ack and re-arm, three syscalls).
-      return this.schedulePoll();
-    }
-    if (this.opts.polling === "adaptive") {
-      // Keep polling, unarmed, for a short bounded time after any activity (a post, a send
-      // completion or an arrival): the next completion often follows closely, and in a
-      // request/response exchange the answer arrives while nothing is outstanding here.
-      // Then fall back to completion events.
-      const now = performance.now();
-      if (budget < POLL_BUDGET) this.lastActivity = now;
-      if (now - this.lastActivity < this.opts.spinUs / 1000) return this.schedulePoll();
-    }
-    // Arm, then poll once more: a completion between the last poll and the arm raises no event.
-    this.cq.requestNotify();
-    while ((n = this.cq.poll(this.cbuf)) > 0) for (let i = 0; i < n; i++) this.onCompletion(i);
-  }
-
-  private schedulePoll(): void {
-    if (this.pollScheduled || this.closed) return;
-    this.pollScheduled = true;
-    setImmediate(() => {
-      this.pollScheduled = false;
-      this.syncPolls = 0;
-      this.pollNow();
-    });
-  }
-
-  private onCompletion(i: number): void {
-    const b = this.cbuf;
+  private onCompletion(b: CompletionBuffer, i: number): void {
     const id = b.wrId[i]!;
     const status = b.status[i]!;
     const op = this.slots[id];
@@ -920,6 +869,7 @@ export class Connection implements MemoryHost {
         else this.fail(this.failure ?? new RdmaError("CONNECTION_CLOSED", "the connection was closed by the peer"));
         return;
       }
+      this.peerCredits--;
       this.onReceive(mem, b.opcode[i]!, b.byteLen[i]!, b.imm[i]!);
       return;
     }
@@ -990,7 +940,8 @@ export class Connection implements MemoryHost {
   }
 
   private onReceive(mem: LocalMemory, opcode: number, byteLen: number, imm: number): void {
-    this.lastActivity = this.lastArrival = performance.now();
+    this.lastArrival = performance.now();
+    this.poller.touch();
     this.pingOutstanding = false;
     if (opcode === WcOpcode.RECV_RDMA_WITH_IMM) {
       mem.release();
@@ -1219,7 +1170,7 @@ export class Connection implements MemoryHost {
   private teardownWhenDrained(): void {
     if (this.closed) return;
     if (this.sqOutstanding === 0 && this.recvSlots.size === 0) return this.teardown();
-    this.cq.requestNotify();
+    this.poller.armForFlush();
     if (this.drainDeadline === null) {
       this.drainDeadline = setTimeout(() => this.teardown(), 2000);
       this.drainDeadline.unref();
@@ -1230,7 +1181,7 @@ export class Connection implements MemoryHost {
     if (this.closed) return;
     this.closed = true;
     this.releaseAll();
-    this.cq.onNotify = null;
+    this.poller.stop();
     this.qp.onEvent = null;
     this.onClosed();
     for (const r of this.closedWaiters.splice(0)) r();
@@ -1285,7 +1236,7 @@ export class Connection implements MemoryHost {
     this.closed = true;
     this.memory.fail(reason);
     this.releaseAll();
-    this.cq.onNotify = null;
+    this.poller.stop();
     this.qp.onEvent = null;
   }
 

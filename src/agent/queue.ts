@@ -112,3 +112,41 @@ export function withDeadline<T>(p: Promise<T>, what: string, signal?: AbortSigna
     );
   });
 }
+
+/**
+ * One abort listener per signal, however many operations share it: a
+ * thousand operations in flight with one AbortSignal add one listener, not a
+ * thousand (Node warns past ten), and each operation's entry goes when the
+ * operation ends.
+ */
+export class AbortWatch {
+  private readonly watched = new Map<AbortSignal, { fns: Set<() => void>; listener: () => void }>();
+
+  /** Calls `fn` when `signal` aborts, until the returned function is called. */
+  add(signal: AbortSignal, fn: () => void): () => void {
+    let w = this.watched.get(signal);
+    if (!w) {
+      const fns = new Set<() => void>();
+      const entry = {
+        fns,
+        listener: () => {
+          this.watched.delete(signal);
+          for (const f of [...fns]) f();
+          fns.clear();
+        },
+      };
+      signal.addEventListener("abort", entry.listener, { once: true });
+      this.watched.set(signal, entry);
+      w = entry;
+    }
+    const entry = w;
+    entry.fns.add(fn);
+    return () => {
+      if (!entry.fns.delete(fn) || entry.fns.size > 0) return;
+      if (this.watched.get(signal) === entry) {
+        this.watched.delete(signal);
+        signal.removeEventListener("abort", entry.listener);
+      }
+    };
+  }
+}

@@ -224,6 +224,17 @@ describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, () => {
       assert.equal(getEventListeners(ac.signal, "abort").length, 0, "no listener outlives its operation");
     }));
 
+  it("credits: a reader that falls behind and catches up never strands the writer (credits return when the writer is starved)", () =>
+    withApiPair(async ({ client, server }) => {
+      for (const n of [45, 60, 61, 77]) {
+        using lmr = client.allocLocalMr(16);
+        const sends = Array.from({ length: n }, () => client.send(lmr));
+        await eventually(() => server.stats().unread >= 16, 10_000 * SLOW, "messages to pile up");
+        for (let i = 0; i < n; i++) (await server.receive({ signal: AbortSignal.timeout(20_000 * SLOW) })).dispose();
+        await Promise.all(sends);
+      }
+    }));
+
   it("#15 no abort listener outlives its operation (eager, rendezvous, one-sided, and ops failed by the connection)", () =>
     withApiPair(async ({ client, server }) => {
       const signal = new AbortController().signal;

@@ -1,0 +1,126 @@
+/**
+ * Completion polling for one connection's CQ, in three modes:
+ *
+ * - "event": arm the CQ and wait for the completion channel;
+ * - "busy": never arm while the connection is open; poll once per event-loop
+ *   turn (setImmediate);
+ * - "adaptive" (default): poll, unarmed, for `spinUs` after any activity (a
+ *   post, a send completion, an arrival), then arm.
+ *
+ * In busy and adaptive modes a post is followed by a synchronous poll when
+ * nothing else was outstanding (a software device or a loopback often
+ * completes inside the post), at most SYNC_POLLS per event-loop turn so a
+ * chain of always-ready completions cannot starve timers and I/O. At most
+ * POLL_BUDGET completions are handled per turn.
+ */
+import { CompletionBuffer, type CompletionQueue } from "../transport/types.js";
+
+export type PollingMode = "event" | "busy" | "adaptive";
+
+/** Completions handled per event-loop turn before yielding ("512 ops" as zeromq.js does). */
+const POLL_BUDGET = 512;
+/** Synchronous CQ polls after posting, per event-loop turn, in busy and adaptive modes. */
+const SYNC_POLLS = 64;
+
+export class Poller {
+  private readonly cbuf = new CompletionBuffer(128);
+  /** Inside a drain (completion handlers run): batched work waits for its end. */
+  draining = false;
+  private scheduled = false;
+  private syncPolls = 0;
+  private lastActivity = 0;
+  private stopped = false;
+
+  constructor(
+    private readonly cq: CompletionQueue,
+    private readonly mode: PollingMode,
+    private readonly spinUs: number,
+    /** One completion: entry `i` of the buffer. */
+    private readonly onCompletion: (b: CompletionBuffer, i: number) => void,
+    /** After each drain (post batched receives, tear down when drained). */
+    private readonly afterDrain: () => void,
+  ) {
+    cq.onNotify = () => this.pollNow();
+  }
+
+  start(): void {
+    if (this.mode !== "busy") this.cq.requestNotify();
+    this.pollNow();
+  }
+
+  /** Something happened (an arrival): adaptive mode keeps spinning for a while. */
+  touch(): void {
+    this.lastActivity = performance.now();
+  }
+
+  pollNow(): void {
+    if (this.draining || this.stopped) return;
+    this.draining = true;
+    try {
+      this.drain();
+    } finally {
+      this.draining = false;
+    }
+    this.afterDrain();
+  }
+
+  /** A list of `n` work requests was just posted, `outstanding` now in the send queue. */
+  afterPost(n: number, outstanding: number): void {
+    this.lastActivity = performance.now();
+    if (this.mode === "event") return;
+    // Only when nothing else was outstanding (a request/response step): with a window in
+    // flight the poll loop is already running and an extra poll per post only costs.
+    if (outstanding === n && this.syncPolls < SYNC_POLLS) {
+      this.syncPolls++;
+      this.pollNow();
+    }
+    this.schedule();
+  }
+
+  /** Failing: flushed completions must still be seen, whatever the mode. */
+  armForFlush(): void {
+    if (!this.stopped) this.cq.requestNotify();
+  }
+
+  stop(): void {
+    this.stopped = true;
+    this.cq.onNotify = null;
+  }
+
+  private drain(): void {
+    let budget = POLL_BUDGET;
+    let n: number;
+    const b = this.cbuf;
+    while (budget > 0 && (n = this.cq.poll(b, Math.min(b.capacity, budget))) > 0) {
+      budget -= n;
+      for (let i = 0; i < n; i++) this.onCompletion(b, i);
+    }
+    if (budget === 0) return this.schedule();
+    if (this.mode === "busy") {
+      // Busy: the CQ is never armed while the connection is open, so no completion ever
+      // takes the event path (on verbs: channel read, ack and re-arm, three syscalls).
+      return this.schedule();
+    }
+    if (this.mode === "adaptive") {
+      // Keep polling, unarmed, for a short bounded time after any activity: the next
+      // completion often follows closely, and in a request/response exchange the answer
+      // arrives while nothing is outstanding here. Then fall back to completion events.
+      const now = performance.now();
+      if (budget < POLL_BUDGET) this.lastActivity = now;
+      if (now - this.lastActivity < this.spinUs / 1000) return this.schedule();
+    }
+    // Arm, then poll once more: a completion between the last poll and the arm raises no event.
+    this.cq.requestNotify();
+    while ((n = this.cq.poll(b)) > 0) for (let i = 0; i < n; i++) this.onCompletion(b, i);
+  }
+
+  private schedule(): void {
+    if (this.scheduled || this.stopped) return;
+    this.scheduled = true;
+    setImmediate(() => {
+      this.scheduled = false;
+      this.syncPolls = 0;
+      this.pollNow();
+    });
+  }
+}
