@@ -19,7 +19,8 @@ const code = (c: string) => (e: unknown) => {
   return true;
 };
 
-describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, () => {
+// A hang is a failure, not a stuck suite.
+describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, { timeout: 120_000 * SLOW }, () => {
   it("#2 grant ids are the owner's: a repeated request token is refused, and every grant is freed when the connection ends", async () => {
     const before = peerMemoryUsage().used;
     await withApiPair(async ({ client, server }) => {
@@ -205,7 +206,7 @@ describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, () => {
       assert.equal(client.stats().lends, 0);
     }));
 
-  it("#15 an operation aborted while it waits for credits never reaches the wire; a posted one is reported done", () =>
+  it("#15 an operation aborted while it waits for credits never reaches the wire; a posted one is reported done", { timeout: 60_000 * SLOW }, () =>
     withApiPair(async ({ client, server }) => {
       using lmr = client.allocLocalMr(16);
       const ac = new AbortController();
