@@ -43,6 +43,14 @@ async function acquireDevice(provider: Provider, name: string | undefined): Prom
   };
 }
 
+/** Contexts alive in this process (each one a PD and a pool); tests check that failed setups give theirs back. */
+let liveContexts = 0;
+
+/** @internal */
+export function contextStats(): { live: number } {
+  return { live: liveContexts };
+}
+
 export class Context {
   refs = 1;
   private constructor(
@@ -51,7 +59,9 @@ export class Context {
     readonly pd: ProtectionDomain,
     readonly pool: MrPool,
     private readonly releaseDevice: () => void,
-  ) {}
+  ) {
+    liveContexts++;
+  }
 
   static async open(choice: ProviderChoice, deviceName: string | undefined): Promise<Context> {
     const provider = await loadProvider(choice);
@@ -89,6 +99,7 @@ export class Context {
   release(): void {
     if (this.refs <= 0) return;
     if (--this.refs > 0) return;
+    liveContexts--;
     this.pool.close();
     try {
       this.pd.dealloc();
