@@ -93,6 +93,7 @@ export class Rdma {
    */
   private lmr(v: unknown, name: string): LocalMr {
     if (!(v instanceof LocalMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a LocalMr (from allocLocalMr, registerMr or receive)`);
+    v.mem.check(name); // disposed, lent, or freed with its connection: INVALID_STATE
     if (v.mem.alloc.mr.pd !== this.ctx.pd) {
       throw new RdmaError("INVALID_ARGUMENT", `${name} belongs to another connection (another protection domain): use memory allocated, registered or received on this connection or a newConnection() sibling, or copy it`);
     }
