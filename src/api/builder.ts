@@ -6,7 +6,7 @@ import { Access, type DeviceAttr } from "../transport/types.js";
 import type { ProviderChoice } from "../transport/providers.js";
 import type { PollingMode } from "../agent/connection.js";
 import { Context } from "./context.js";
-import { Rdma, dialWith, parseAddr } from "./rdma.js";
+import { Rdma, dialWith, parseAddr, signalOf } from "./rdma.js";
 import { RdmaListener } from "./listener.js";
 import { bindCm, dialCm, type ConnectionManager } from "./rdmacm.js";
 
@@ -121,6 +121,7 @@ export class RdmaBuilder {
     return this;
   }
   setQpCaps(c: { maxSendWr?: number; maxRecvWr?: number; maxInlineData?: number }): this {
+    if (c === null || typeof c !== "object") throw new RdmaError("INVALID_ARGUMENT", `setQpCaps takes { maxSendWr?, maxRecvWr?, maxInlineData? }, got ${c === null ? "null" : typeof c}`);
     if (c.maxSendWr !== undefined) this.s.maxSendWr = checkInt("maxSendWr", c.maxSendWr, 1, 2 ** 31);
     if (c.maxRecvWr !== undefined) this.s.maxRecvWr = checkInt("maxRecvWr", c.maxRecvWr, 1, 2 ** 31);
     if (c.maxInlineData !== undefined) this.s.maxInlineData = checkInt("maxInlineData", c.maxInlineData, 0, 1 << 16);
@@ -282,11 +283,12 @@ export class RdmaBuilder {
   }
 
   /** Connects to a server (listen or bind) at "host:port". */
-  async connect(addr: string | { host: string; port: number }, opts: { signal?: AbortSignal } = {}): Promise<Rdma> {
+  async connect(addr: string | { host: string; port: number }, opts?: { signal?: AbortSignal }): Promise<Rdma> {
     const a = parseAddr(addr);
-    if (this.s.cm === "rdmacm") return dialCm({ ...this.s }, (attr) => this.resolve(attr), a, opts.signal);
+    const signal = signalOf(opts, "connect");
+    if (this.s.cm === "rdmacm") return dialCm({ ...this.s }, (attr) => this.resolve(attr), a, signal);
     const { ctx, s } = await this.context();
-    return dialWith(ctx, s, a, opts.signal);
+    return dialWith(ctx, s, a, signal);
   }
 
   /** A listener that accepts any number of connections (`for await (const rdma of listener)`). */
@@ -303,10 +305,11 @@ export class RdmaBuilder {
   }
 
   /** async-rdma's one-shot form: waits for one client, then stops listening. */
-  async listen(addr: string | { host: string; port: number }, opts: { signal?: AbortSignal } = {}): Promise<Rdma> {
+  async listen(addr: string | { host: string; port: number }, opts?: { signal?: AbortSignal }): Promise<Rdma> {
+    const signal = signalOf(opts, "listen");
     const l = await this.bind(addr);
     try {
-      return await l.accept(opts);
+      return await l.accept(signal === undefined ? {} : { signal });
     } finally {
       await l.close();
     }

@@ -1,7 +1,15 @@
 /**
  * Resources shared by connections: devices (process-wide, reference counted)
- * and a context (PD + MR pool) shared by the connections of one Rdma family
- * or one listener.
+ * and contexts (a protection domain + its MR pool).
+ *
+ * Isolation: a context is shared only by connections to one peer (an Rdma
+ * and its newConnection() siblings). A listener keeps a root context (device,
+ * settings) and gives every accepted connection a fork of it: same device, a
+ * protection domain and pool of its own. Grants, lends and rendezvous
+ * registrations are made in the connection's pool, so they land in its PD,
+ * and the device/provider refuses any other connection's access to them
+ * (rxe and the tcp provider check that an rkey's MR is in the QP's PD on
+ * every remote access), even with a guessed or leaked rkey.
  */
 import { RdmaError } from "../errors.js";
 import { loadProvider, type ProviderChoice } from "../transport/providers.js";
@@ -35,6 +43,14 @@ async function acquireDevice(provider: Provider, name: string | undefined): Prom
   };
 }
 
+/** Contexts alive in this process (each one a PD and a pool); tests check that failed setups give theirs back. */
+let liveContexts = 0;
+
+/** @internal */
+export function contextStats(): { live: number } {
+  return { live: liveContexts };
+}
+
 export class Context {
   refs = 1;
   private constructor(
@@ -43,7 +59,9 @@ export class Context {
     readonly pd: ProtectionDomain,
     readonly pool: MrPool,
     private readonly releaseDevice: () => void,
-  ) {}
+  ) {
+    liveContexts++;
+  }
 
   static async open(choice: ProviderChoice, deviceName: string | undefined): Promise<Context> {
     const provider = await loadProvider(choice);
@@ -57,13 +75,31 @@ export class Context {
     }
   }
 
+  /**
+   * A context on the same device with a protection domain and memory pool of
+   * its own, for one accepted connection. It holds a reference on this one
+   * (so the device outlives it); releasing it frees its pool and PD.
+   */
+  fork(): Context {
+    let pd: ProtectionDomain;
+    try {
+      pd = this.device.allocPd();
+    } catch (e) {
+      throw e instanceof RdmaError ? e : new RdmaError("DEVICE", `cannot allocate a protection domain on ${this.device.name}: ${(e as Error).message}`, { cause: e });
+    }
+    this.retain();
+    return new Context(this.provider, this.device, pd, new MrPool(pd), () => this.release());
+  }
+
   retain(): this {
     this.refs++;
     return this;
   }
 
   release(): void {
+    if (this.refs <= 0) return;
     if (--this.refs > 0) return;
+    liveContexts--;
     this.pool.close();
     try {
       this.pd.dealloc();

@@ -93,7 +93,30 @@ function int(v: unknown, name: string, min: number, max: number): number {
   return v;
 }
 
-/** Validates a peer's hello (both directions). */
+const MTUS = [256, 512, 1024, 2048, 4096];
+
+/**
+ * The endpoint's address, checked for its provider before anything is
+ * allocated: tcp names an IP address (a hostname would make us resolve and
+ * dial whatever the peer chose) and a port; verbs names a GID in IPv6 form,
+ * neither unspecified nor multicast.
+ */
+function checkGid(provider: ProviderName, gid: unknown): string {
+  if (typeof gid !== "string" || gid.length === 0 || gid.length >= 64) throw new RdmaError("PROTOCOL", "handshake endpoint has no gid");
+  if (provider === "tcp") {
+    if (net.isIP(gid) === 0) throw new RdmaError("PROTOCOL", `handshake endpoint address ${JSON.stringify(gid)} is not an IP address`);
+  } else {
+    if (!net.isIPv6(gid)) throw new RdmaError("PROTOCOL", `handshake endpoint GID ${JSON.stringify(gid)} is not in IPv6 form`);
+    const c = canonicalIp(gid);
+    if (c === "::" || /^ff/i.test(c)) throw new RdmaError("PROTOCOL", `handshake endpoint GID ${gid} is not a unicast GID`);
+  }
+  return gid;
+}
+
+/**
+ * Validates a peer's hello (both directions): every field, before anything
+ * is allocated for the connection.
+ */
 export function parseHello(v: Record<string, unknown>, expectProvider: ProviderName): Hello {
   if (v.asyncRdma !== PROTOCOL_VERSION) {
     throw new RdmaError("PROTOCOL", `protocol version mismatch: the peer speaks ${JSON.stringify(v.asyncRdma ?? "an unknown protocol")}, this side ${PROTOCOL_VERSION}; upgrade the older side`);
@@ -103,17 +126,19 @@ export function parseHello(v: Record<string, unknown>, expectProvider: ProviderN
     throw new RdmaError("PROTOCOL", `provider mismatch: the peer uses ${JSON.stringify(v.provider)}, this side ${expectProvider}; choose the same provider on both ends`);
   }
   const e = v.endpoint as Record<string, unknown> | undefined;
-  if (!e || typeof e !== "object") throw new RdmaError("PROTOCOL", "handshake has no endpoint");
+  if (!e || typeof e !== "object" || Array.isArray(e)) throw new RdmaError("PROTOCOL", "handshake has no endpoint");
+  if (e.provider !== undefined && e.provider !== expectProvider) throw new RdmaError("PROTOCOL", `handshake endpoint is for provider ${JSON.stringify(e.provider)}, this side ${expectProvider}`);
   const endpoint: Endpoint = {
     provider: expectProvider,
     qpNum: int(e.qpNum, "qpNum", 0, 0xffffff),
     psn: int(e.psn, "psn", 0, 0xffffff),
     lid: int(e.lid, "lid", 0, 0xffff),
-    gid: typeof e.gid === "string" && e.gid.length < 64 ? e.gid : "",
-    port: int(e.port, "port", 0, 65535),
+    gid: checkGid(expectProvider, e.gid),
+    // tcp: the device's TCP port, dialed by the QP; verbs: unused
+    port: int(e.port, "port", expectProvider === "tcp" ? 1 : 0, 65535),
     mtu: int(e.mtu, "mtu", 256, 4096),
   };
-  if (!endpoint.gid) throw new RdmaError("PROTOCOL", "handshake endpoint has no gid");
+  if (!MTUS.includes(endpoint.mtu)) throw new RdmaError("PROTOCOL", "handshake field mtu is invalid");
   return {
     asyncRdma: PROTOCOL_VERSION,
     provider: expectProvider,
@@ -124,25 +149,67 @@ export function parseHello(v: Record<string, unknown>, expectProvider: ProviderN
   };
 }
 
-/** tcp endpoints listening on a wildcard address are reached at the side channel's peer address. */
-export function fixupEndpoint(e: Endpoint, sock: net.Socket): Endpoint {
-  if (e.provider === "tcp" && (e.gid === "0.0.0.0" || e.gid === "::")) {
-    let host = sock.remoteAddress ?? "127.0.0.1";
-    if (host.startsWith("::ffff:")) host = host.slice(7);
-    return { ...e, gid: host };
+/** One spelling per address: IPv4-mapped IPv6 as IPv4, IPv6 compressed and lower case. */
+export function canonicalIp(ip: string): string {
+  let a = ip.toLowerCase();
+  if (a.startsWith("::ffff:") && net.isIPv4(a.slice(7))) a = a.slice(7);
+  if (net.isIPv6(a)) {
+    try {
+      a = new URL(`http://[${a}]/`).hostname.slice(1, -1);
+    } catch {
+      /* keep as is */
+    }
+    const m = /^::ffff:([0-9a-f]{1,4}):([0-9a-f]{1,4})$/.exec(a);
+    if (m) {
+      const hi = parseInt(m[1]!, 16);
+      const lo = parseInt(m[2]!, 16);
+      a = `${hi >> 8}.${hi & 255}.${lo >> 8}.${lo & 255}`;
+    }
   }
-  return e;
+  return a;
 }
 
+const WILDCARDS = new Set(["0.0.0.0", "::"]);
+
+/**
+ * The endpoint to connect to, given the side channel it came over. The tcp
+ * provider dials the endpoint's address: the only host it may dial is the
+ * side channel's peer, so a wildcard address (a device listening on all
+ * interfaces, what the API always opens) is replaced by the peer's address,
+ * and any other address than the peer's is refused (PROTOCOL) before
+ * anything is allocated. A verbs endpoint names the peer device's GID, which
+ * may legitimately sit on another network than the side channel (a separate
+ * RDMA fabric), so it is only checked for form (parseHello): verbs dials
+ * nothing; an RC QP only ever answers packets of its connected peer QP.
+ */
+export function peerEndpoint(e: Endpoint, sock: net.Socket): Endpoint {
+  if (e.provider !== "tcp") return e;
+  const raw = sock.remoteAddress;
+  if (!raw) throw new RdmaError("PROTOCOL", "the side channel has no peer address (closed?)");
+  const peer = canonicalIp(raw);
+  const named = canonicalIp(e.gid);
+  if (WILDCARDS.has(named)) return { ...e, gid: peer };
+  if (named !== peer) {
+    throw new RdmaError("PROTOCOL", `the peer's endpoint names host ${e.gid}, but the side channel comes from ${peer}: only the side channel's peer is dialed`);
+  }
+  return { ...e, gid: peer };
+}
+
+/**
+ * "host:port", "[IPv6]:port" or { host, port }. An IPv6 address needs its
+ * brackets ("::1:5" is ambiguous); ":port" means all interfaces.
+ */
 export function parseAddr(addr: string | { host: string; port: number }): { host: string; port: number } {
   if (typeof addr === "object" && addr !== null) {
-    if (typeof addr.host !== "string" || !Number.isInteger(addr.port) || addr.port < 0 || addr.port > 65535) throw new RdmaError("INVALID_ARGUMENT", "address must be { host, port }");
-    return addr;
+    const o = addr as { host?: unknown; port?: unknown };
+    if (typeof o.host !== "string" || typeof o.port !== "number" || !Number.isInteger(o.port) || o.port < 0 || o.port > 65535) throw new RdmaError("INVALID_ARGUMENT", "address must be { host, port } with a port in [0, 65535]");
+    return { host: o.host, port: o.port };
   }
   if (typeof addr !== "string") throw new RdmaError("INVALID_ARGUMENT", `address must be "host:port", got ${String(addr)}`);
-  const m = /^\[?([^\]]*?)\]?:(\d+)$/.exec(addr);
-  if (!m) throw new RdmaError("INVALID_ARGUMENT", `address must be "host:port", got ${JSON.stringify(addr)}`);
-  const port = Number(m[2]);
+  const m = /^(?:\[([^[\]]+)\]|([^[\]:]*)):(\d{1,5})$/.exec(addr);
+  if (!m) throw new RdmaError("INVALID_ARGUMENT", `address must be "host:port" or "[IPv6]:port", got ${JSON.stringify(addr)}`);
+  const port = Number(m[3]);
   if (port > 65535) throw new RdmaError("INVALID_ARGUMENT", `port out of range in ${JSON.stringify(addr)}`);
-  return { host: m[1] || "0.0.0.0", port };
+  if (m[1] !== undefined && !net.isIPv6(m[1])) throw new RdmaError("INVALID_ARGUMENT", `${JSON.stringify(m[1])} in brackets is not an IPv6 address in ${JSON.stringify(addr)}`);
+  return { host: m[1] ?? (m[2] || "0.0.0.0"), port };
 }

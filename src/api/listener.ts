@@ -1,14 +1,16 @@
 /**
- * RdmaListener: accepts connections on a TCP side channel; every accepted
- * connection shares the listener's protection domain and memory pool.
+ * RdmaListener: accepts connections on a TCP side channel. Every accepted
+ * connection gets a protection domain and memory pool of its own (a fork of
+ * the listener's context), so no connection can reach memory granted or lent
+ * to another (see context.ts).
  */
 import net from "node:net";
-import { RdmaError } from "../errors.js";
+import { RdmaError, checkInt } from "../errors.js";
 import { AsyncQueue } from "../agent/queue.js";
 import type { Connection } from "../agent/connection.js";
 import type { Context } from "./context.js";
-import { LineReader, PROTOCOL_VERSION, fixupEndpoint, parseHello, sendLine } from "./handshake.js";
-import { Rdma, connectAttr, makeConnection } from "./rdma.js";
+import { LineReader, PROTOCOL_VERSION, parseHello, peerEndpoint, sendLine } from "./handshake.js";
+import { Rdma, abandon, connectAttr, makeConnection, signalOf } from "./rdma.js";
 import type { ResolvedSettings } from "./builder.js";
 
 /** @internal Another way of establishing the listener's connections (RDMA CM: rdmacm.ts). */
@@ -73,28 +75,45 @@ export class RdmaListener implements AsyncIterable<Rdma> {
     return this.address().port;
   }
 
+  /** Handshakes under way (sockets accepted, connection not yet handed out). */
+  private inProgress = 0;
+
+  /** @internal Handshakes under way and refused so far (tests and diagnostics). */
+  stats(): { handshakes: number; rejected: number } {
+    return { handshakes: this.inProgress, rejected: this.rejectedCount };
+  }
+  private rejectedCount = 0;
+
+  /**
+   * Server side of the side channel. Nothing is allocated until the whole
+   * hello is valid (fields, provider, and for tcp an endpoint on the side
+   * channel's peer); from then on every failure — a bad or missing "ready",
+   * the connect timeout, a closed socket — goes through abandon(), which frees
+   * the QP, the CQ, the posted receive buffers and the connection's PD.
+   */
   private async handshake(sock: net.Socket): Promise<void> {
     if (this.closed) return void sock.destroy();
+    this.inProgress++;
     const holder: { rdma: Rdma | null } = { rdma: null };
     let conn: Connection | null = null;
+    let ctx: Context | null = null;
+    sock.on("error", () => {});
     const timer = setTimeout(() => sock.destroy(new Error("timeout")), this.s.connectTimeoutMs);
     try {
       const reader = new LineReader(sock);
       let hello;
+      let endpoint;
       try {
         hello = parseHello(await reader.nextJson(), this.ctx.provider.name);
+        endpoint = peerEndpoint(hello.endpoint, sock);
       } catch (e) {
         if (e instanceof RdmaError && e.code !== "CONNECTION_CLOSED") sendLine(sock, { asyncRdma: PROTOCOL_VERSION, error: e.message });
         throw e;
       }
-      this.ctx.retain();
-      try {
-        conn = makeConnection(this.ctx, this.s, { recvDepth: hello.recvDepth, eagerMax: hello.eagerMax, ...(hello.maxMessageSize === undefined ? {} : { maxMessageSize: hello.maxMessageSize }) }, holder);
-      } catch (e) {
-        this.ctx.release();
-        throw e;
-      }
-      conn.qp.connect(fixupEndpoint(hello.endpoint, sock), connectAttr(this.s));
+      if (this.closed) throw new RdmaError("CONNECTION_REFUSED", "the listener is closed");
+      ctx = this.ctx.fork();
+      conn = makeConnection(ctx, this.s, { recvDepth: hello.recvDepth, eagerMax: hello.eagerMax, ...(hello.maxMessageSize === undefined ? {} : { maxMessageSize: hello.maxMessageSize }) }, holder);
+      conn.qp.connect(endpoint, connectAttr(this.s));
       sendLine(sock, {
         asyncRdma: PROTOCOL_VERSION,
         provider: this.ctx.provider.name,
@@ -105,33 +124,38 @@ export class RdmaListener implements AsyncIterable<Rdma> {
       });
       const ready = await reader.nextJson();
       if (ready.ready !== true) throw new RdmaError("PROTOCOL", "the client did not confirm the connection");
+      if (conn.failure) throw conn.failure;
       sock.end();
       conn.start();
-      const rdma = new Rdma(conn, this.ctx, this.s, null);
+      const rdma = new Rdma(conn, ctx, this.s, null);
       holder.rdma = rdma;
+      conn = null;
+      ctx = null;
       if (this.closed) await rdma.close();
       else this.accepted.push(rdma);
     } catch (e) {
       sock.destroy();
-      if (conn) {
-        try {
-          conn.qp.destroy();
-          conn.cq.destroy();
-        } catch {
-          /* best effort */
-        }
-        this.ctx.release();
-      }
+      abandon(conn, ctx);
+      this.rejectedCount++;
       if (this.rejected.length < 100) this.rejected.push(e instanceof RdmaError ? e : new RdmaError("PROTOCOL", String(e)));
     } finally {
       clearTimeout(timer);
+      this.inProgress--;
     }
   }
 
   /** The next connection. */
-  accept(opts: { signal?: AbortSignal; timeoutMs?: number } = {}): Promise<Rdma> {
+  accept(opts?: { signal?: AbortSignal; timeoutMs?: number }): Promise<Rdma> {
+    let o: { signal?: AbortSignal; timeoutMs?: number };
+    try {
+      const signal = signalOf(opts, "accept");
+      const t = opts?.timeoutMs;
+      o = { ...(signal === undefined ? {} : { signal }), ...(t === undefined ? {} : { timeoutMs: checkInt("timeoutMs", t, 1, 2 ** 31) }) };
+    } catch (e) {
+      return Promise.reject(e);
+    }
     if (this.closed) return Promise.reject(new RdmaError("CONNECTION_CLOSED", "the listener is closed"));
-    return this.accepted.take(opts);
+    return this.accepted.take(o);
   }
 
   async *[Symbol.asyncIterator](): AsyncIterator<Rdma> {

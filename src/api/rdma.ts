@@ -5,9 +5,9 @@ import net from "node:net";
 import { RdmaError, checkInt } from "../errors.js";
 import { Access, WrOpcode, type QpConnectAttr } from "../transport/types.js";
 import { Connection, type ConnectionOptions } from "../agent/connection.js";
-import { LocalMemory, LocalMr, RemoteMr } from "../memory/mr.js";
+import { LocalMemory, LocalMr, RemoteLease, RemoteMr } from "../memory/mr.js";
 import { Context } from "./context.js";
-import { LineReader, PROTOCOL_VERSION, fixupEndpoint, parseAddr, parseHello, sendLine } from "./handshake.js";
+import { LineReader, PROTOCOL_VERSION, parseAddr, parseHello, peerEndpoint, sendLine } from "./handshake.js";
 import type { ResolvedSettings } from "./builder.js";
 import { dialCm } from "./rdmacm.js";
 
@@ -15,14 +15,24 @@ export interface OpOptions {
   signal?: AbortSignal;
 }
 
-function checkLmr(v: unknown, name: string): LocalMr {
-  if (!(v instanceof LocalMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a LocalMr (from allocLocalMr, registerMr or receive)`);
-  return v;
+/**
+ * The connection a RemoteMr was handed out on (requestRemoteMr,
+ * receiveRemoteMr): its rkey is valid only there (the peer registered it in
+ * that connection's protection domain), so any other connection refuses it
+ * before posting instead of dying of a remote access error.
+ */
+const remoteOwner = new WeakMap<RemoteLease, Connection>();
+
+function own(rmr: RemoteMr, conn: Connection): RemoteMr {
+  remoteOwner.set(rmr.lease, conn);
+  return rmr;
 }
 
-function checkRmr(v: unknown, name: string): RemoteMr {
-  if (!(v instanceof RemoteMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a RemoteMr (from requestRemoteMr or receiveRemoteMr)`);
-  return v;
+/** Options objects: absent or an object (null, numbers and strings are misuse). */
+function optsOf<T extends object>(o: T | undefined | null, what: string): Partial<T> {
+  if (o === undefined) return {};
+  if (o === null || typeof o !== "object") throw new RdmaError("INVALID_ARGUMENT", `${what}: options must be an object, got ${o === null ? "null" : typeof o}`);
+  return o;
 }
 
 function checkImm(v: unknown): number {
@@ -34,8 +44,8 @@ function checkBig(v: unknown, name: string): bigint {
   return BigInt.asUintN(64, v);
 }
 
-function signalOf(o: OpOptions | undefined): AbortSignal | undefined {
-  const s = o?.signal;
+export function signalOf(o: OpOptions | undefined | null, what = "operation"): AbortSignal | undefined {
+  const s = optsOf(o, what).signal;
   if (s !== undefined && !(s instanceof AbortSignal)) throw new RdmaError("INVALID_ARGUMENT", "signal must be an AbortSignal");
   return s;
 }
@@ -74,6 +84,32 @@ export class Rdma {
     this.remoteAddr = remoteAddr;
   }
 
+  /**
+   * A LocalMr this connection may use: its memory must be registered in this
+   * connection's protection domain (allocated or registered on it, on a
+   * newConnection() sibling, or received on it). Memory of another
+   * connection would fail on the device (a local protection error that kills
+   * the connection): refused here, INVALID_ARGUMENT, nothing posted.
+   */
+  private lmr(v: unknown, name: string): LocalMr {
+    if (!(v instanceof LocalMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a LocalMr (from allocLocalMr, registerMr or receive)`);
+    v.mem.check(name); // disposed, lent, or freed with its connection: INVALID_STATE
+    if (v.mem.alloc.mr.pd !== this.ctx.pd) {
+      throw new RdmaError("INVALID_ARGUMENT", `${name} belongs to another connection (another protection domain): use memory allocated, registered or received on this connection or a newConnection() sibling, or copy it`);
+    }
+    return v;
+  }
+
+  /** A RemoteMr this connection may use: one it was given (see remoteOwner). */
+  private rmr(v: unknown, name: string): RemoteMr {
+    if (!(v instanceof RemoteMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a RemoteMr (from requestRemoteMr or receiveRemoteMr)`);
+    const owner = remoteOwner.get(v.lease);
+    if (owner !== undefined && owner !== this.conn) {
+      throw new RdmaError("INVALID_ARGUMENT", `${name} was granted to another connection: its rkey is valid only there (the peer registered it in that connection's protection domain)`);
+    }
+    return v;
+  }
+
   /** "tcp" or "verbs": the provider this connection runs on. */
   get provider(): string {
     return this.ctx.provider.name;
@@ -105,12 +141,12 @@ export class Rdma {
 
   /** Sends `lmr`'s bytes; the peer gets them from receive(). Any length: large messages go by rendezvous READ. */
   send(lmr: LocalMr, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.send(checkLmr(lmr, "lmr"), undefined, signalOf(opts)));
+    return guard(() => this.conn.send(this.lmr(lmr, "lmr"), undefined, signalOf(opts)));
   }
 
   /** Like send, with 32 bits of immediate data; the peer gets `{ mr, imm }` from receiveWithImm(). */
   sendWithImm(lmr: LocalMr, imm: number, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.send(checkLmr(lmr, "lmr"), checkImm(imm), signalOf(opts)));
+    return guard(() => this.conn.send(this.lmr(lmr, "lmr"), checkImm(imm), signalOf(opts)));
   }
 
   /** The next message, in a LocalMr of exactly its length (dispose it when done). */
@@ -126,12 +162,12 @@ export class Rdma {
 
   /** One-sided RDMA WRITE of `lmr` into `rmr` (lmr.length ≤ rmr.length). */
   write(lmr: LocalMr, rmr: RemoteMr, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.write(checkLmr(lmr, "lmr"), checkRmr(rmr, "rmr"), undefined, signalOf(opts)));
+    return guard(() => this.conn.write(this.lmr(lmr, "lmr"), this.rmr(rmr, "rmr"), undefined, signalOf(opts)));
   }
 
   /** RDMA WRITE with immediate: the peer's receiveWriteImm() yields `imm` once the data is in place. */
   writeWithImm(lmr: LocalMr, rmr: RemoteMr, imm: number, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.write(checkLmr(lmr, "lmr"), checkRmr(rmr, "rmr"), checkImm(imm), signalOf(opts)));
+    return guard(() => this.conn.write(this.lmr(lmr, "lmr"), this.rmr(rmr, "rmr"), checkImm(imm), signalOf(opts)));
   }
 
   /** The immediate of the next WRITE_WITH_IMM from the peer. */
@@ -141,48 +177,51 @@ export class Rdma {
 
   /** One-sided RDMA READ of `rmr` into `lmr` (lmr.length bytes). */
   read(lmr: LocalMr, rmr: RemoteMr, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.read(checkLmr(lmr, "lmr"), checkRmr(rmr, "rmr"), signalOf(opts)));
+    return guard(() => this.conn.read(this.lmr(lmr, "lmr"), this.rmr(rmr, "rmr"), signalOf(opts)));
   }
 
   /** Atomic compare-and-swap on 8 aligned bytes of `rmr`; resolves to the old value. */
   compareAndSwap(rmr: RemoteMr, compare: bigint, swap: bigint, opts?: OpOptions): Promise<bigint> {
-    return guard(() => this.conn.atomic(checkRmr(rmr, "rmr"), WrOpcode.ATOMIC_CMP_AND_SWP, checkBig(compare, "compare"), checkBig(swap, "swap"), signalOf(opts)));
+    return guard(() => this.conn.atomic(this.rmr(rmr, "rmr"), WrOpcode.ATOMIC_CMP_AND_SWP, checkBig(compare, "compare"), checkBig(swap, "swap"), signalOf(opts)));
   }
 
   /** Atomic fetch-and-add on 8 aligned bytes of `rmr`; resolves to the old value. */
   fetchAndAdd(rmr: RemoteMr, add: bigint, opts?: OpOptions): Promise<bigint> {
-    return guard(() => this.conn.atomic(checkRmr(rmr, "rmr"), WrOpcode.ATOMIC_FETCH_AND_ADD, checkBig(add, "add"), 0n, signalOf(opts)));
+    return guard(() => this.conn.atomic(this.rmr(rmr, "rmr"), WrOpcode.ATOMIC_FETCH_AND_ADD, checkBig(add, "add"), 0n, signalOf(opts)));
   }
 
   /**
    * Asks the peer for `size` bytes of its memory, leased for `leaseMs`
    * (default: the builder's). Fails with QUOTA_EXCEEDED past the peer's quota.
    */
-  requestRemoteMr(size: number, opts: OpOptions & { timeoutMs?: number; leaseMs?: number } = {}): Promise<RemoteMr> {
-    return guard(() => {
-      checkInt("size", size, 1, 2 ** 32);
-      const lease = opts.leaseMs === undefined ? this.settings.defaultLeaseMs : checkInt("leaseMs", opts.leaseMs, 1, 2 ** 31);
-      const timeout = opts.timeoutMs === undefined ? undefined : checkInt("timeoutMs", opts.timeoutMs, 1, 2 ** 31);
-      return this.conn.requestRemoteMr(size, lease, timeout, signalOf(opts));
+  requestRemoteMr(size: number, opts?: OpOptions & { timeoutMs?: number; leaseMs?: number }): Promise<RemoteMr> {
+    return guard(async () => {
+      // the size travels in a 32-bit field of the request
+      checkInt("size", size, 1, 2 ** 32 - 1);
+      const o = optsOf(opts, "requestRemoteMr");
+      const lease = o.leaseMs === undefined ? this.settings.defaultLeaseMs : checkInt("leaseMs", o.leaseMs, 1, 2 ** 31);
+      const timeout = o.timeoutMs === undefined ? undefined : checkInt("timeoutMs", o.timeoutMs, 1, 2 ** 31);
+      return own(await this.conn.requestRemoteMr(size, lease, timeout, signalOf(o, "requestRemoteMr")), this.conn);
     });
   }
 
   /** Lends exactly `lmr`'s bytes to the peer (receiveRemoteMr there); `lmr` is unusable here until it comes back. */
-  sendLocalMr(lmr: LocalMr, opts: OpOptions & { leaseMs?: number } = {}): Promise<void> {
+  sendLocalMr(lmr: LocalMr, opts?: OpOptions & { leaseMs?: number }): Promise<void> {
     return guard(() => {
-      const lease = opts.leaseMs === undefined ? this.settings.defaultLeaseMs : checkInt("leaseMs", opts.leaseMs, 1, 2 ** 31);
-      return this.conn.sendLocalMr(checkLmr(lmr, "lmr"), lease, signalOf(opts));
+      const o = optsOf(opts, "sendLocalMr");
+      const lease = o.leaseMs === undefined ? this.settings.defaultLeaseMs : checkInt("leaseMs", o.leaseMs, 1, 2 ** 31);
+      return this.conn.sendLocalMr(this.lmr(lmr, "lmr"), lease, signalOf(o, "sendLocalMr"));
     });
   }
 
   /** Memory the peer lent with sendLocalMr. */
   receiveRemoteMr(opts?: OpOptions): Promise<RemoteMr> {
-    return guard(() => this.conn.receiveRemoteMr(signalOf(opts)));
+    return guard(async () => own(await this.conn.receiveRemoteMr(signalOf(opts)), this.conn));
   }
 
   /** Hands a remote region back to its owner (receiveLocalMr there); this side loses access. */
   sendRemoteMr(rmr: RemoteMr, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.sendRemoteMr(checkRmr(rmr, "rmr"), signalOf(opts)));
+    return guard(() => this.conn.sendRemoteMr(this.rmr(rmr, "rmr"), signalOf(opts)));
   }
 
   /** Own memory the peer handed back with sendRemoteMr (after writing into it, typically). */
@@ -272,8 +311,50 @@ export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDe
     maxMessageSize: s.maxMessageSize,
   };
   const conn = new Connection(qp, cq, ctx.pool, opts, peer, () => holder.rdma?.releaseResources());
-  conn.postInitialReceives();
+  try {
+    conn.postInitialReceives();
+  } catch (e) {
+    abandon(conn, null);
+    throw e;
+  }
   return conn;
+}
+
+/**
+ * Frees everything a connection set up before it was handed out (every
+ * failed setup path: listener, dialWith, newConnection, both RDMA CM paths):
+ * the QP and CQ first (the device stops using the posted buffers), then the
+ * agent's own buffers, then the context — for a listener's connection its
+ * own fork, whose release frees the pool (receive buffers included) and the
+ * PD. A context shared with siblings (newConnection) outlives the call, so
+ * the receive buffers posted from its pool are released through the agent's
+ * abandon() when it has one. Safe to call with nulls and more than once per
+ * object.
+ */
+export function abandon(conn: Connection | null, ctx: Context | null): void {
+  if (conn) {
+    try {
+      conn.qp.destroy();
+    } catch {
+      /* already destroyed */
+    }
+    try {
+      conn.cq.destroy();
+    } catch {
+      /* already destroyed */
+    }
+    // TODO(agent): Connection.abandon() releases the posted receive buffers and recycled headers;
+    // until it exists, a failed newConnection() on a shared context leaves them in that pool until the family closes.
+    const agentAbandon = (conn as unknown as { abandon?: () => void }).abandon;
+    if (typeof agentAbandon === "function") {
+      try {
+        agentAbandon.call(conn);
+      } catch {
+        /* best effort */
+      }
+    }
+  }
+  ctx?.release();
 }
 
 export function connectAttr(s: ResolvedSettings): QpConnectAttr {
@@ -308,8 +389,9 @@ export async function dialWith(ctx: Context, s: ResolvedSettings, addr: { host: 
     conn = makeConnection(ctx, s, { recvDepth: 0, eagerMax: 0 }, holder);
     sendLine(sock, { asyncRdma: PROTOCOL_VERSION, provider: ctx.provider.name, endpoint: conn.qp.localEndpoint({ portNum: s.port, gidIndex: s.gidIndex }), recvDepth: s.recvDepth, eagerMax: s.eagerMax, maxMessageSize: s.maxMessageSize });
     const reply = parseHello(await reader.nextJson().catch(rethrowTimeout(s, addr)), ctx.provider.name);
+    const endpoint = peerEndpoint(reply.endpoint, sock);
     conn.setPeer({ recvDepth: reply.recvDepth, eagerMax: reply.eagerMax, ...(reply.maxMessageSize === undefined ? {} : { maxMessageSize: reply.maxMessageSize }) });
-    conn.qp.connect(fixupEndpoint(reply.endpoint, sock), connectAttr(s));
+    conn.qp.connect(endpoint, connectAttr(s));
     sendLine(sock, { ready: true });
     sock.end();
     conn.start();
@@ -318,15 +400,7 @@ export async function dialWith(ctx: Context, s: ResolvedSettings, addr: { host: 
     return rdma;
   } catch (e) {
     sock?.destroy();
-    if (conn) {
-      try {
-        conn.qp.destroy();
-        conn.cq.destroy();
-      } catch {
-        /* best effort */
-      }
-    }
-    ctx.release();
+    abandon(conn, ctx);
     if (signal?.aborted && !(e instanceof RdmaError && e.code === "ABORTED")) throw new RdmaError("ABORTED", `connect to ${addr.host}:${addr.port} aborted`, { cause: e });
     throw e;
   } finally {

@@ -34,7 +34,7 @@ import type { Connection } from "../agent/connection.js";
 import type { ResolvedSettings } from "./builder.js";
 import { Context } from "./context.js";
 import { PROTOCOL_VERSION } from "./handshake.js";
-import { Rdma, connectAttr, makeConnection } from "./rdma.js";
+import { Rdma, abandon, connectAttr, makeConnection } from "./rdma.js";
 import type { ListenerSink, ListenerSource } from "./listener.js";
 
 export type ConnectionManager = "tcp" | "rdmacm";
@@ -286,15 +286,7 @@ export async function dialCm(
       }
       id.destroy();
     }
-    if (conn) {
-      try {
-        conn.qp.destroy();
-        conn.cq.destroy();
-      } catch {
-        /* best effort */
-      }
-    }
-    ctx?.release();
+    abandon(conn, ctx);
     if (signal?.aborted && !(e instanceof RdmaError && e.code === "ABORTED")) throw new RdmaError("ABORTED", `connect to ${where} aborted`, { cause: e });
     throw e instanceof RdmaError ? e : new RdmaError("DEVICE", `connect to ${where} failed: ${(e as Error)?.message ?? String(e)}`, { cause: e });
   }
@@ -303,7 +295,10 @@ export async function dialCm(
 /**
  * Server side: an RDMA CM listening id behind an RdmaListener. Contexts are
  * opened per device an incoming request arrives on (one for an address bound
- * to a device, opened at once so settings are checked at bind).
+ * to a device, opened at once so settings are checked at bind); every
+ * accepted connection gets a fork of its device's context (its own PD and
+ * pool), as on the side channel. The hello is decoded and checked before
+ * anything is allocated; every failure goes through abandon().
  */
 export async function bindCm(
   base: ResolvedSettings,
@@ -374,8 +369,9 @@ export async function bindCm(
       if (closed) throw new RdmaError("CONNECTION_REFUSED", "the listener is closed");
       const entry = await contextFor(ci.deviceName, ci.portNum);
       const s = entry.s;
-      ctx = entry.ctx.retain();
       if (closed) throw new RdmaError("CONNECTION_REFUSED", "the listener is closed");
+      // A protection domain and pool of its own: no other connection can reach what it grants or lends.
+      ctx = entry.ctx.fork();
       conn = makeConnection(ctx, s, { recvDepth: hello.recvDepth, eagerMax: hello.eagerMax }, holder);
       connectQp(conn, child, ev.conn?.qpNum ?? 0, hello.psn, s);
       const psn = conn.qp.localEndpoint({ portNum: s.port }).psn;
@@ -408,15 +404,7 @@ export async function bindCm(
         child.disconnect();
       }
       child.destroy();
-      if (conn) {
-        try {
-          conn.qp.destroy();
-          conn.cq.destroy();
-        } catch {
-          /* best effort */
-        }
-      }
-      ctx?.release();
+      abandon(conn, ctx);
       sink.reject(err);
     }
   };

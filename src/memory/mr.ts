@@ -7,6 +7,14 @@ import type { Allocation, MrPool } from "./pool.js";
 
 type TypedArrayCtor<T> = { new (buffer: ArrayBuffer, byteOffset: number, length: number): T; BYTES_PER_ELEMENT: number };
 
+/** %TypedArray%, the constructor every typed array class extends. */
+const TypedArray = Object.getPrototypeOf(Uint8Array) as abstract new (...a: never[]) => unknown;
+
+function checkTypedArrayCtor(ctor: unknown): void {
+  const ok = typeof ctor === "function" && (ctor as { prototype?: unknown }).prototype instanceof TypedArray && Number.isInteger((ctor as { BYTES_PER_ELEMENT?: unknown }).BYTES_PER_ELEMENT);
+  if (!ok) throw new RdmaError("INVALID_ARGUMENT", `view takes a typed array constructor (e.g. Float64Array), got ${ctor === null ? "null" : typeof ctor === "function" ? (ctor as { name?: string }).name || "a function" : typeof ctor}`);
+}
+
 /** Owner of the memory behind a LocalMr (the allocation, its pool and its state). */
 export class LocalMemory {
   readonly pool: MrPool | null;
@@ -45,6 +53,10 @@ export class LocalMemory {
   check(what: string): void {
     if (this.disposed) throw new RdmaError("INVALID_STATE", `${what}: this memory region was disposed`);
     if (this.lentTo !== null) throw new RdmaError("INVALID_STATE", `${what}: this memory region is lent to the peer (${this.lentTo}); it is usable again when it comes back`);
+    // Freed behind our back: the connection (and the pool) it came from was closed, which detaches its memory.
+    if (this.alloc.length > 0 && (this.alloc.mr.deregistered || this.alloc.buffer.byteLength === 0)) {
+      throw new RdmaError("INVALID_STATE", `${what}: this memory region was freed: the connection it belonged to is closed`);
+    }
   }
 
   release(): void {
@@ -98,6 +110,7 @@ export class LocalMr {
 
   /** A typed view, e.g. `lmr.view(Float64Array)`; the region's offset must be aligned to the element size. */
   view<T>(ctor: TypedArrayCtor<T>): T {
+    checkTypedArrayCtor(ctor);
     this.mem.check("view");
     const a = this.mem.alloc;
     const off = a.bufOffset + this.start;
