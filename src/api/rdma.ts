@@ -328,7 +328,7 @@ export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDe
  * own fork, whose release frees the pool (receive buffers included) and the
  * PD. A context shared with siblings (newConnection) outlives the call, so
  * the receive buffers posted from its pool are released through the agent's
- * abandon() when it has one. Safe to call with nulls and more than once per
+ * abandon(). Safe to call with nulls and more than once per
  * object.
  */
 export function abandon(conn: Connection | null, ctx: Context | null): void {
@@ -343,16 +343,8 @@ export function abandon(conn: Connection | null, ctx: Context | null): void {
     } catch {
       /* already destroyed */
     }
-    // TODO(agent): Connection.abandon() releases the posted receive buffers and recycled headers;
-    // until it exists, a failed newConnection() on a shared context leaves them in that pool until the family closes.
-    const agentAbandon = (conn as unknown as { abandon?: () => void }).abandon;
-    if (typeof agentAbandon === "function") {
-      try {
-        agentAbandon.call(conn);
-      } catch {
-        /* best effort */
-      }
-    }
+    // The agent's receive and control buffers (from a pool that may be shared with siblings).
+    conn.abandon(new RdmaError("CONNECTION_CLOSED", "the connection was abandoned during setup"));
   }
   ctx?.release();
 }
