@@ -52,6 +52,26 @@ const PIGGYBACK_MAX_QUEUED = 64 * 1024;
  * whose whole window arrived in one turn gets it back without a bubble.
  */
 const ACK_EAGER_REQUESTS = 16;
+/**
+ * Default of QpConnectAttr.livenessMs: a requester with work outstanding
+ * tolerates this long without hearing from a peer whose streams are up (its
+ * event loop may be blocked or stopped: TCP itself retransmits, and a cut
+ * stream is seen at once). Survives multi-second GC pauses and synchronous work.
+ */
+export const DEFAULT_LIVENESS_MS = 15_000;
+/**
+ * While a request payload of at least PROGRESS_MIN_PAYLOAD bytes is arriving,
+ * the responder tells the requester it is alive (a duplicate cumulative ACK,
+ * or the ACK it owes) at most every PROGRESS_INTERVAL_MS: progress restarts
+ * the requester's no-progress timer, so no single transfer is limited in length.
+ */
+const PROGRESS_MIN_PAYLOAD = 1 << 20;
+const PROGRESS_INTERVAL_MS = 4;
+/**
+ * A no-progress check that runs this much later than scheduled means our own
+ * event loop was stalled: that time is not counted against the peer.
+ */
+const STALL_CREDIT_MS = 100;
 const ENTRY_QUEUED = 0;
 const ENTRY_SENT = 1;
 const ENTRY_DONE = 2;
@@ -105,6 +125,8 @@ export interface TcpQpStats {
   readonly piggybackedAcksReceived: number;
   /** Received piggybacked ACKs that overtook a READ/ATOMIC response and were held until it arrived. */
   readonly piggybackedAcksHeld: number;
+  /** Duplicate ACKs the responder wrote to signal progress during a long request payload. */
+  readonly progressAcks: number;
 }
 
 function isReadOrAtomic(opcode: number): boolean {
@@ -147,6 +169,10 @@ class FrameReader {
   private hdrFill = 0;
   readonly h: FrameHeader = newHeader();
   private remaining = 0;
+  /** Payload bytes of the current frame still to come (0 between frames). */
+  get payloadLeft(): number {
+    return this.remaining;
+  }
   private targets: Uint8Array[] | null = null;
   /** Checked before every placement: false once the target memory was deregistered. */
   private guard: (() => boolean) | null = null;
@@ -310,6 +336,8 @@ export class TcpQueuePair implements QueuePair {
   private rnrWait: NodeJS.Timeout | null = null;
   private pendingLocalError: SqEntry | null = null;
   private ackTimer: NodeJS.Timeout | null = null;
+  /** Set while a due no-progress verdict waits one turn for I/O already received (our own loop may have stalled). */
+  private ackConfirm: NodeJS.Immediate | null = null;
   private lastProgress = 0;
   private respTargetEntry: SqEntry | null = null;
   /**
@@ -336,6 +364,8 @@ export class TcpQueuePair implements QueuePair {
   private curRecv: RqEntry | null = null;
   private curWriteImm = false;
   private respDiscard = false;
+  /** When the responder last signalled progress during a long request payload (see PROGRESS_INTERVAL_MS). */
+  private progressAt = 0;
 
   // connection attributes
   private remote: Endpoint | null = null;
@@ -344,8 +374,9 @@ export class TcpQueuePair implements QueuePair {
   private rnrRetry = 7;
   private minRnrTimer = 12;
   private maxRdAtomic = 16;
+  private livenessMs = DEFAULT_LIVENESS_MS;
   readonly boundWindows = new Set<TcpMw>();
-  private readonly counters = { requests: 0, acks: 0, piggybackedAcks: 0, piggybackedAcksReceived: 0, piggybackedAcksHeld: 0 };
+  private readonly counters = { requests: 0, acks: 0, piggybackedAcks: 0, piggybackedAcksReceived: 0, piggybackedAcksHeld: 0, progressAcks: 0 };
 
   /** Frame counters (a snapshot). */
   get stats(): TcpQpStats {
@@ -418,6 +449,7 @@ export class TcpQueuePair implements QueuePair {
     this.minRnrTimer = checkInt("minRnrTimer", attr.minRnrTimer ?? 12, 0, 31);
     this.maxRdAtomic = checkInt("maxRdAtomic", attr.maxRdAtomic ?? 16, 1, this.device.attr.maxQpInitRdAtom);
     checkInt("maxDestRdAtomic", attr.maxDestRdAtomic ?? 16, 0, this.device.attr.maxQpRdAtom);
+    this.livenessMs = checkInt("livenessMs", attr.livenessMs ?? DEFAULT_LIVENESS_MS, 0, 2 ** 31 - 1);
     this.remote = { ...remote };
     this.ePsn = remote.psn;
     this.state = QpState.RTS;
@@ -433,7 +465,11 @@ export class TcpQueuePair implements QueuePair {
       () => this.onResponseRevoked(),
     );
     this.reqReader = reader;
-    sock.on("data", (chunk: Buffer) => reader.feed(chunk));
+    sock.on("data", (chunk: Buffer) => {
+      // Any byte from the peer on this stream (ACK, NAK, response, part of one) is progress.
+      this.lastProgress = performance.now();
+      reader.feed(chunk);
+    });
     sock.on("drain", () => {
       this.drainWait = false;
       this.pump();
@@ -479,6 +515,7 @@ export class TcpQueuePair implements QueuePair {
     const feed = (chunk: Buffer): void => {
       reader.feed(chunk);
       this.scheduleAck();
+      if (reader.payloadLeft > 0) this.signalProgress(reader.h);
     };
     sock.on("data", feed);
     sock.on("error", () => {});
@@ -1011,24 +1048,55 @@ export class TcpQueuePair implements QueuePair {
     }, ms);
   }
 
+  /** How long the requester waits without progress from the peer: max(timeout × (retryCnt+1), livenessMs). */
+  private noProgressLimit(): number {
+    if (this.timeoutMs === Infinity) return Infinity;
+    return Math.max(this.timeoutMs * (this.retryCnt + 1), this.livenessMs);
+  }
+
   private armAckTimer(): void {
-    if (this.ackTimer !== null || this.timeoutMs === Infinity) return;
-    const limit = this.timeoutMs * (this.retryCnt + 1);
+    if (this.ackTimer !== null || this.ackConfirm !== null || this.timeoutMs === Infinity) return;
+    const limit = this.noProgressLimit();
+    const tick = Math.max(1, Math.min(this.timeoutMs, limit / 4));
+    let prev = performance.now();
     const check = (): void => {
       this.ackTimer = null;
+      this.ackConfirm = null;
+      // A tick that comes late means our own event loop did not run (blocked, descheduled): the peer
+      // could not be heard meanwhile, so that time does not count against it.
+      const now = performance.now();
+      const late = now - prev - tick;
+      if (late > STALL_CREDIT_MS) this.lastProgress = Math.min(now, this.lastProgress + late);
+      prev = now;
+      if (this.state !== QpState.RTS) return;
+      if (this.firstSent() === null) return;
+      if (this.rnrWait === null && performance.now() - this.lastProgress >= limit) {
+        // Timers run before I/O in a turn: after a stall of our own event loop the peer's answer may be
+        // waiting in the socket. Read it first (the poll phase runs before setImmediate), then judge.
+        // (Not unref'd: an unref'd immediate does not stop the poll phase from blocking, so it could wait for unrelated I/O.)
+        this.ackConfirm = setImmediate(confirm);
+        return;
+      }
+      this.ackTimer = setTimeout(check, tick);
+      this.ackTimer.unref();
+    };
+    const confirm = (): void => {
+      this.ackConfirm = null;
       if (this.state !== QpState.RTS) return;
       const e = this.firstSent();
       if (e === null) return;
       if (this.rnrWait === null && performance.now() - this.lastProgress >= limit) {
         e.state = ENTRY_DONE;
         e.status = WcStatus.RETRY_EXC_ERR;
-        this.enterError(`no response from the peer within ${limit.toFixed(0)} ms (timeout ${this.timeoutMs.toFixed(1)} ms × ${this.retryCnt + 1} tries)`, true, "QP_FATAL");
+        const why = this.livenessMs > this.timeoutMs * (this.retryCnt + 1) ? `livenessMs ${this.livenessMs}` : `timeout ${this.timeoutMs.toFixed(1)} ms × ${this.retryCnt + 1} tries`;
+        this.enterError(`no response from the peer within ${limit.toFixed(0)} ms (${why}; its streams are still open)`, true, "QP_FATAL");
         return;
       }
-      this.ackTimer = setTimeout(check, Math.max(1, this.timeoutMs));
+      prev = performance.now();
+      this.ackTimer = setTimeout(check, tick);
       this.ackTimer.unref();
     };
-    this.ackTimer = setTimeout(check, Math.max(1, this.timeoutMs));
+    this.ackTimer = setTimeout(check, tick);
     this.ackTimer.unref();
   }
 
@@ -1076,6 +1144,22 @@ export class TcpQueuePair implements QueuePair {
     if (this.ackScheduled) return;
     this.ackScheduled = true;
     setImmediate(this.ackAtTurnEnd);
+  }
+
+  /**
+   * Mid-payload of a long request: tell the requester we are alive, at most
+   * every PROGRESS_INTERVAL_MS, with the ACK we owe or else a duplicate of the
+   * last cumulative ACK (ePsn - 1: everything before the current request is
+   * placed and its responses are already queued ahead on this stream).
+   */
+  private signalProgress(h: FrameHeader): void {
+    if (this.respDiscard || this.state !== QpState.RTS || h.payloadLen < PROGRESS_MIN_PAYLOAD) return;
+    const now = performance.now();
+    if (now - this.progressAt < PROGRESS_INTERVAL_MS) return;
+    this.progressAt = now;
+    this.counters.progressAcks++;
+    if (this.ackPending >= 0) this.flushAck();
+    else this.respond(FrameType.ACK, (this.ePsn - 1) & PSN_MASK, Syndrome.ACK, 0n, 0n, null);
   }
 
   private readonly ackAtTurnEnd = (): void => {
@@ -1167,6 +1251,7 @@ export class TcpQueuePair implements QueuePair {
     }
     if (h.psn !== this.ePsn) return this.protocolError("responder", `PSN ${h.psn} out of sequence (expected ${this.ePsn})`);
     this.respDiscard = false;
+    if (h.payloadLen >= PROGRESS_MIN_PAYLOAD) this.progressAt = performance.now();
     this.curRecv = null;
     this.curWriteImm = false;
     switch (h.type) {
@@ -1322,6 +1407,8 @@ export class TcpQueuePair implements QueuePair {
     this.rnrWait = null;
     if (this.ackTimer) clearTimeout(this.ackTimer);
     this.ackTimer = null;
+    if (this.ackConfirm) clearImmediate(this.ackConfirm);
+    this.ackConfirm = null;
     this.ackMark = -1;
     // Flush: every unfinished WR completes with WR_FLUSH_ERR, in order.
     for (let i = this.sqHead; i < this.sq.length; i++) {
@@ -1351,7 +1438,9 @@ export class TcpQueuePair implements QueuePair {
     this.state = QpState.ERR;
     if (this.rnrWait) clearTimeout(this.rnrWait);
     if (this.ackTimer) clearTimeout(this.ackTimer);
+    if (this.ackConfirm) clearImmediate(this.ackConfirm);
     this.rnrWait = this.ackTimer = null;
+    this.ackConfirm = null;
     for (const mw of this.boundWindows) mw.unbind();
     this.boundWindows.clear();
     this.reqSock?.destroy();
