@@ -72,6 +72,17 @@ const PROGRESS_INTERVAL_MS = 4;
  * event loop was stalled: that time is not counted against the peer.
  */
 const STALL_CREDIT_MS = 100;
+/**
+ * The responder stops reading a peer's requests while more than this many
+ * bytes of its responses wait in user space (the peer does not read them),
+ * and reads again on 'drain'. Bounds what a peer can make us queue.
+ */
+const RESP_PAUSE_BYTES = 1 << 20;
+/**
+ * After ERR the QP finishes writing what it queued (a NAK) before closing its
+ * streams; a peer that does not read gets its streams destroyed after this long.
+ */
+const ERR_LINGER_MS = 2_000;
 const ENTRY_QUEUED = 0;
 const ENTRY_SENT = 1;
 const ENTRY_DONE = 2;
@@ -127,6 +138,8 @@ export interface TcpQpStats {
   readonly piggybackedAcksHeld: number;
   /** Duplicate ACKs the responder wrote to signal progress during a long request payload. */
   readonly progressAcks: number;
+  /** Times the responder stopped reading requests because its responses were not being read. */
+  readonly requestPauses: number;
 }
 
 function isReadOrAtomic(opcode: number): boolean {
@@ -366,6 +379,10 @@ export class TcpQueuePair implements QueuePair {
   private respDiscard = false;
   /** When the responder last signalled progress during a long request payload (see PROGRESS_INTERVAL_MS). */
   private progressAt = 0;
+  /** READ/atomic responses written but not yet handed to the kernel: requests still outstanding at the peer. */
+  private respUnflushed = 0;
+  /** The request stream is paused until the response stream drains. */
+  private respPaused = false;
 
   // connection attributes
   private remote: Endpoint | null = null;
@@ -375,8 +392,9 @@ export class TcpQueuePair implements QueuePair {
   private minRnrTimer = 12;
   private maxRdAtomic = 16;
   private livenessMs = DEFAULT_LIVENESS_MS;
+  private maxDestRdAtomic = 16;
   readonly boundWindows = new Set<TcpMw>();
-  private readonly counters = { requests: 0, acks: 0, piggybackedAcks: 0, piggybackedAcksReceived: 0, piggybackedAcksHeld: 0, progressAcks: 0 };
+  private readonly counters = { requests: 0, acks: 0, piggybackedAcks: 0, piggybackedAcksReceived: 0, piggybackedAcksHeld: 0, progressAcks: 0, requestPauses: 0 };
 
   /** Frame counters (a snapshot). */
   get stats(): TcpQpStats {
@@ -448,7 +466,7 @@ export class TcpQueuePair implements QueuePair {
     this.rnrRetry = checkInt("rnrRetry", attr.rnrRetry ?? 7, 0, 7);
     this.minRnrTimer = checkInt("minRnrTimer", attr.minRnrTimer ?? 12, 0, 31);
     this.maxRdAtomic = checkInt("maxRdAtomic", attr.maxRdAtomic ?? 16, 1, this.device.attr.maxQpInitRdAtom);
-    checkInt("maxDestRdAtomic", attr.maxDestRdAtomic ?? 16, 0, this.device.attr.maxQpRdAtom);
+    this.maxDestRdAtomic = checkInt("maxDestRdAtomic", attr.maxDestRdAtomic ?? 16, 0, this.device.attr.maxQpRdAtom);
     this.livenessMs = checkInt("livenessMs", attr.livenessMs ?? DEFAULT_LIVENESS_MS, 0, 2 ** 31 - 1);
     this.remote = { ...remote };
     this.ePsn = remote.psn;
@@ -516,8 +534,14 @@ export class TcpQueuePair implements QueuePair {
       reader.feed(chunk);
       this.scheduleAck();
       if (reader.payloadLeft > 0) this.signalProgress(reader.h);
+      this.throttleRequests(sock);
     };
     sock.on("data", feed);
+    sock.on("drain", () => {
+      if (!this.respPaused) return;
+      this.respPaused = false;
+      if (this.state === QpState.RTS) sock.resume();
+    });
     sock.on("error", () => {});
     sock.on("close", () => this.connectionLost("peer closed the connection"));
     if (rest) feed(rest);
@@ -1105,16 +1129,44 @@ export class TcpQueuePair implements QueuePair {
   private respond(type: FrameType, psn: number, aux: number, op1: bigint, op2: bigint, payload: Uint8Array | null, from: TcpMr | null = null): void {
     const s = this.respSock;
     if (!s || s.destroyed) return;
+    // READ/atomic responses hold a responder resource until the kernel has them (see maxDestRdAtomic).
+    const resource = type === FrameType.READ_RESP || type === FrameType.ATOMIC_RESP;
+    if (resource) this.respUnflushed++;
     if (payload && payload.length > 0) {
       s.cork();
       s.write(encodeHeader(type, 0, psn, payload.length, 0, 0, 0, aux, op1, op2));
       if (from) {
         from.retainForWrite();
-        s.write(payload, from.writeDone);
-      } else s.write(payload);
+        s.write(
+          payload,
+          resource
+            ? () => {
+                from.writeDone();
+                this.respFlushed();
+              }
+            : from.writeDone,
+        );
+      } else s.write(payload, resource ? this.respFlushed : undefined);
       s.uncork();
     } else {
-      s.write(encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2));
+      s.write(encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2), resource ? this.respFlushed : undefined);
+    }
+  }
+
+  private readonly respFlushed = (): void => {
+    this.respUnflushed--;
+  };
+
+  /**
+   * Back-pressure on the responder: while more than RESP_PAUSE_BYTES of
+   * responses and ACKs wait in user space for a peer that does not read them,
+   * its request stream is not read either ('drain' resumes it).
+   */
+  private throttleRequests(sock: net.Socket): void {
+    if (!this.respPaused && sock.writableLength > RESP_PAUSE_BYTES && this.state === QpState.RTS) {
+      this.respPaused = true;
+      this.counters.requestPauses++;
+      sock.pause();
     }
   }
 
@@ -1298,6 +1350,7 @@ export class TcpQueuePair implements QueuePair {
         return;
       }
       case FrameType.READ_REQ: {
+        if (!this.responderResource(h)) return;
         if (!(this.qpAccess & Access.REMOTE_READ)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote read");
         const v = this.remoteView(h, h.aux, Access.REMOTE_READ);
         if (v === null) return;
@@ -1307,6 +1360,7 @@ export class TcpQueuePair implements QueuePair {
         return;
       }
       case FrameType.ATOMIC: {
+        if (!this.responderResource(h)) return;
         if (!(this.qpAccess & Access.REMOTE_ATOMIC)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote atomics");
         // IBA: atomics need an 8-byte aligned target; rxe answers a misaligned one with NAK invalid request.
         if (h.raddr % 8 !== 0) return this.nak(h.psn, Syndrome.NAK_INV_REQ, `atomic target 0x${h.raddr.toString(16)} is not 8-byte aligned`);
@@ -1324,6 +1378,26 @@ export class TcpQueuePair implements QueuePair {
       default:
         return this.protocolError("responder", `unexpected frame type ${h.type} on the responder stream`);
     }
+  }
+
+  /**
+   * IBA: a requester may have at most the responder's maxDestRdAtomic READs
+   * and atomics outstanding; more is a class C error (NAK invalid request,
+   * REM_INV_REQ_ERR at the requester, both QPs to ERR), as rxe answers
+   * RESPST_ERR_TOO_MANY_RDMA_ATM_REQ. A response the kernel has not taken yet
+   * cannot have reached the requester, so its request is certainly still
+   * outstanding there: counting those never refuses a requester within the limit.
+   */
+  private responderResource(h: FrameHeader): boolean {
+    if (this.respUnflushed < this.maxDestRdAtomic) return true;
+    this.nak(
+      h.psn,
+      Syndrome.NAK_INV_REQ,
+      this.maxDestRdAtomic === 0
+        ? "RDMA READ/atomic request, but this QP has no responder resources (maxDestRdAtomic 0)"
+        : `more RDMA READ/atomic requests outstanding than maxDestRdAtomic ${this.maxDestRdAtomic} (${this.respUnflushed} responses not yet taken by the peer)`,
+    );
+    return false;
   }
 
   /** The target of an incoming WRITE/SEND went away mid-payload: remote access error, as an HCA would answer. */
@@ -1425,7 +1499,12 @@ export class TcpQueuePair implements QueuePair {
     this.rqHead = 0;
     // The peer learns at once (its streams close) instead of after its ACK timeout.
     // Finish what we queued (a NAK, say), then stop reading: a peer that keeps streaming is not served.
-    for (const sock of [this.reqSock, this.respSock]) sock?.end(() => sock.destroy());
+    for (const sock of [this.reqSock, this.respSock]) {
+      if (!sock) continue;
+      sock.end(() => sock.destroy());
+      // A peer that does not read would keep the stream (and what we queued) forever.
+      setTimeout(() => sock.destroy(), ERR_LINGER_MS).unref();
+    }
     for (const p of this.parked) p.sock.destroy();
     this.parked = [];
     if (notify) this.emit(type, reason);
