@@ -20,7 +20,8 @@ import {
   type QueuePair,
   type TcpDeviceOptions,
 } from "../types.js";
-import { TcpQueuePair, acceptIncoming } from "./qp.js";
+import { TcpQueuePair } from "./qp.js";
+import { HELLO_TIMEOUT_MS, MAX_PENDING_HELLO, MAX_PENDING_HELLO_PER_SOURCE, PendingStreams, acceptIncoming } from "./accept.js";
 import { KeySpace } from "./keys.js";
 import { detachArrayBuffer, isDetached } from "../buffers.js";
 
@@ -64,8 +65,12 @@ export class TcpDevice implements Device {
   liveMws = 0;
   readonly qps = new Map<number, TcpQueuePair>();
   readonly cqs = new Set<TcpCq>();
-  /** Accepted streams still waiting for their HELLO. */
-  pendingHello = 0;
+  /** Accepted streams still waiting for their HELLO, by source (accept.ts). */
+  readonly pendingHello = new PendingStreams();
+  /** Limits on those streams (defaults in accept.ts; documented in docs/architecture.md). */
+  helloTimeoutMs = HELLO_TIMEOUT_MS;
+  maxPendingHello = MAX_PENDING_HELLO;
+  maxPendingHelloPerSource = MAX_PENDING_HELLO_PER_SOURCE;
   private server: net.Server | null = null;
   private nextQpn = randomInt(0x100, 0x8000);
   private nextAddr = 0x7f0000000000 + randomInt(0, 0x10000) * PAGE;
@@ -152,6 +157,7 @@ export class TcpDevice implements Device {
     this.cqs.clear();
     this.server?.close();
     this.server = null;
+    this.pendingHello.destroyAll();
   }
 }
 

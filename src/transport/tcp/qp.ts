@@ -177,7 +177,7 @@ function psnBefore(a: number, b: number): boolean {
  * the payload copied straight into its placement (registered memory) as bytes
  * arrive, with no reassembly buffer.
  */
-class FrameReader {
+export class FrameReader {
   private readonly hdrBuf = Buffer.alloc(HEADER_LEN);
   private hdrFill = 0;
   readonly h: FrameHeader = newHeader();
@@ -278,49 +278,6 @@ class FrameReader {
       }
     }
   }
-}
-
-/** First frame on an accepted socket must be HELLO naming the QP; then that QP's responder takes the stream. */
-export function acceptIncoming(device: TcpDevice, sock: net.Socket): void {
-  // Streams that have not said HELLO yet are bounded: a flood of silent connections cannot pile up.
-  if (device.pendingHello >= 4096) {
-    sock.destroy();
-    return;
-  }
-  device.pendingHello++;
-  let counted = true;
-  const uncount = (): void => {
-    if (counted) device.pendingHello--;
-    counted = false;
-  };
-  sock.once("close", uncount);
-  sock.setNoDelay(true);
-  let hello: { qp: TcpQueuePair; srcQp: number; psn: number } | null = null;
-  const reader = new FrameReader(
-    (h) => {
-      reader.stopped = true;
-      const target = h.type === FrameType.HELLO ? device.qps.get(h.aux) : undefined;
-      // No such QP: the requester sees its connection close and fails with RETRY_EXC_ERR, as verbs would after its retries.
-      if (!target || target.state === QpState.ERR) sock.destroy();
-      else hello = { qp: target, srcQp: Number(h.op1), psn: h.psn };
-    },
-    () => {},
-    () => sock.destroy(),
-  );
-  const onData = (chunk: Buffer): void => {
-    reader.feed(chunk);
-    if (reader.stopped) {
-      sock.off("data", onData);
-      clearTimeout(t);
-      uncount();
-      if (hello !== null) hello.qp.incoming(sock, hello.srcQp, hello.psn, reader.leftover);
-    }
-  };
-  sock.on("data", onData);
-  sock.on("error", () => {});
-  // A connection that never says HELLO is dropped.
-  const t = setTimeout(() => sock.destroy(), 10_000);
-  t.unref();
 }
 
 export class TcpQueuePair implements QueuePair {
