@@ -323,6 +323,18 @@ export interface QpConnectAttr {
   minRnrTimer?: number;
   maxRdAtomic?: number;
   maxDestRdAtomic?: number;
+  /**
+   * tcp provider only (verbs ignores it: there the NIC answers, not the
+   * peer's event loop). How long, in ms, a requester with work outstanding
+   * tolerates hearing nothing from a peer whose TCP streams are still up (a
+   * stopped process, a blocked event loop, a long GC pause) before failing
+   * the oldest WR with RETRY_EXC_ERR. The limit is
+   * max(timeout × (retryCnt + 1), livenessMs); `timeout` 0 still means
+   * infinite. Anything the peer sends (an ACK, a response, response bytes)
+   * restarts the count. A cut stream (FIN, RST, killed process) is detected
+   * at once whatever this says. Default 15 000; 0 keeps verbs' limit alone.
+   */
+  livenessMs?: number;
 }
 
 export interface ProtectionDomain {

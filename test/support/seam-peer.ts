@@ -14,8 +14,11 @@
  *   serve → {type:"connected"}
  *   peer  → {type:"send", wrId, offset, length}                  (one SEND from the server's src)
  *   serve → {type:"sent", wrId, status}
- *   peer  → {type:"run", chunk}        (the server moves its src to the peer: SEND, WRITE, READ back)
+ *   peer  → {type:"run", chunk, notify?} (the server moves its src to the peer: SEND, WRITE, READ back)
+ *   serve → {type:"running"}           (only with notify: the WRs are posted)
  *   serve → {type:"ran", ok, ms, statuses}
+ *   peer  → {type:"block", ms}         (the server blocks its event loop for ms, busy)
+ *   serve → {type:"blocking"}, then {type:"unblocked"} when it is over
  *   peer  → {type:"verify", srcSha}    (after the peer's own traffic completed)
  *   serve → {type:"verified", recv, write, read, ...}
  *   peer  → {type:"exit"}
@@ -410,7 +413,21 @@ async function serve(a: Args): Promise<void> {
       case "run": {
         if (!remote) throw new Error("run before connect");
         running = side.traffic(remote, chunkFor(a.bytes, Number(m.chunk ?? 0)));
+        // On request, say that the WRs are posted (the traffic is under way) before "ran".
+        if (m.notify === true) ch.send({ type: "running" });
         running.then((r) => ch.send({ ...r, type: "ran" }));
+        break;
+      }
+      case "block": {
+        // A blocked event loop (synchronous work, or a long GC pause): no I/O, no timers, no ACKs for `ms`.
+        // Writes to a pipe are synchronous on Linux, so "blocking" is out before the loop stops.
+        const ms = Number(m.ms);
+        ch.send({ type: "blocking" });
+        const end = performance.now() + ms;
+        while (performance.now() < end) {
+          /* busy */
+        }
+        ch.send({ type: "unblocked" });
         break;
       }
       case "verify": {

@@ -1275,3 +1275,124 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
       }));
   });
 });
+
+/**
+ * Issue 9, point 9: the responder enforces maxDestRdAtomic and does not read a
+ * peer's requests while its responses pile up unread.
+ */
+describe("responder resources and back-pressure [issue 9 #9]", () => {
+  /** Samples how many response bytes the QP keeps queued in user space (its response stream's writableLength). */
+  function queuedSampler(qp: QueuePair): { max(): number; stop(): void } {
+    const qpi = qp as unknown as { respSock: net.Socket | null };
+    let max = 0;
+    const t = setInterval(() => (max = Math.max(max, qpi.respSock?.writableLength ?? 0)), 1);
+    return { max: () => max, stop: () => clearInterval(t) };
+  }
+
+  /** Writes `n` request frames made by `make`, in batches, without waiting for anything. */
+  function flood(p: FakePeer, n: number, make: (psn: number) => Buffer): void {
+    for (let i = 0; i < n; i += 2000) {
+      const parts: Buffer[] = [];
+      for (let k = 0; k < 2000 && i + k < n; k++) parts.push(make(nextPsn(p)));
+      p.outS.sock.write(Buffer.concat(parts));
+    }
+  }
+
+  for (const kind of ["atomics", "READs"] as const) {
+    it(`a flood of ${kind} whose responses are never read: NAK invalid request past maxDestRdAtomic, queued responses stay bounded, other QPs keep working`, () =>
+      withFakePeer(async (p) => {
+        // The impostor never reads the QP's responses.
+        p.outS.sock.pause();
+        const sampler = queuedSampler(p.qp);
+        try {
+          if (kind === "atomics") flood(p, 600_000, (psn) => hdr(FrameType.ATOMIC, { psn, rkey: p.target.rkey, raddr: p.target.addr, aux: 1, op1: 1n }));
+          else flood(p, 20_000, (psn) => hdr(FrameType.READ_REQ, { psn, rkey: p.target.rkey, raddr: p.target.addr, aux: MR_LEN }));
+          const e = await fatal(p, /maxDestRdAtomic 16/, ["QP_FATAL"], DEADLINE_MS * 3);
+          assert.match(e.reason, /more RDMA READ\/atomic requests outstanding than maxDestRdAtomic 16/);
+        } finally {
+          sampler.stop();
+        }
+        // Bounded: the kernel's socket buffers take most of it; user space holds at most about one pause threshold
+        // (1 MiB) plus what one received chunk produced.
+        assert.ok(sampler.max() <= 2 * 1024 * 1024, `the QP queued up to ${sampler.max()} response bytes`);
+        // The QP gives up on the stream after its linger even though the impostor never reads.
+        const qpi = p.qp as unknown as { respSock: net.Socket | null };
+        await p.w.until(() => qpi.respSock?.destroyed === true, "the QP to destroy the unread stream", DEADLINE_MS * 2, 5);
+        // Other QPs on the device are untouched.
+        const a = makeSide(p.dev);
+        const b = makeSide(p.dev);
+        const attr = { timeout: 14, retryCnt: 7, rnrRetry: 7, minRnrTimer: 1 };
+        a.qp.connect(b.qp.localEndpoint(), attr);
+        b.qp.connect(a.qp.localEndpoint(), attr);
+        await movesData(a, b, 7);
+      }),
+    );
+  }
+
+  it("responses not read: the QP stops reading requests (back-pressure), and resumes once the peer reads, losing nothing", () =>
+    withFakePeer(async (p) => {
+      const big = p.side.pd.registerMr(4 * 1024 * 1024, ALL_REMOTE);
+      fill(big, 0x5a);
+      p.outS.sock.pause();
+      const qpi = p.qp as unknown as { stats: { requestPauses: number }; respSock: net.Socket };
+      // 16 READs of 4 MiB (within maxDestRdAtomic): 64 MiB of responses the impostor does not read yet.
+      const readPsns: number[] = [];
+      for (let i = 0; i < 16; i++) {
+        const psn = nextPsn(p);
+        readPsns.push(psn);
+        p.outS.write(hdr(FrameType.READ_REQ, { psn, rkey: big.rkey, raddr: big.addr, aux: big.length }));
+      }
+      await p.w.until(() => qpi.stats.requestPauses >= 1, "the QP to pause the request stream", DEADLINE_MS, 1);
+      assert.equal(qpi.respSock.isPaused(), true);
+      // A WRITE sent now waits in the stream until the QP reads again.
+      const wpsn = nextPsn(p);
+      p.outS.write(hdr(FrameType.WRITE, { psn: wpsn, rkey: p.target.rkey, raddr: p.target.addr, payloadLen: 8 }), Buffer.from([1, 2, 3, 4, 5, 6, 7, 8]));
+      p.outS.sock.resume();
+      for (const psn of readPsns) {
+        const f = await p.outS.next(`READ_RESP ${psn}`, DEADLINE_MS * 2);
+        assert.equal(f.h.type, FrameType.READ_RESP);
+        assert.equal(f.h.psn, psn);
+        assert.ok(f.payload.equals(Buffer.from(bytes(big))), "the READ brought the MR's bytes");
+      }
+      // Acknowledged (possibly after progress ACKs that repeat an earlier PSN).
+      for (;;) {
+        const f = await p.outS.next("the WRITE's ACK");
+        assert.equal(f.h.type, FrameType.ACK);
+        assert.equal(f.h.aux, Syndrome.ACK);
+        if (f.h.psn === wpsn) break;
+      }
+      assert.deepEqual([...bytes(p.target).subarray(0, 8)], [1, 2, 3, 4, 5, 6, 7, 8]);
+      assert.equal(qpi.respSock.isPaused(), false, "reading again");
+      assert.deepEqual(p.events, []);
+      assert.equal(p.qp.state, QpState.RTS);
+    }));
+
+  it("maxDestRdAtomic 0: a READ is answered with NAK invalid request (REM_INV_REQ_ERR), as verbs does", async () => {
+    const w = new Waiter();
+    const devA = await openDevice();
+    const devB = await openDevice();
+    cleanups.push(() => devA.close(), () => devB.close());
+    try {
+      const a = makeSide(devA);
+      const b = makeSide(devB);
+      const events: AsyncEvent[] = [];
+      b.qp.onEvent = (e) => {
+        events.push(e);
+        w.poke();
+      };
+      const attr = { timeout: 14, retryCnt: 7, rnrRetry: 7, minRnrTimer: 1 };
+      a.qp.connect(b.qp.localEndpoint(), attr);
+      b.qp.connect(a.qp.localEndpoint(), { ...attr, maxDestRdAtomic: 0 });
+      const src = b.pd.registerMr(64, ALL_REMOTE);
+      const dst = a.pd.registerMr(64, ALL_REMOTE);
+      a.qp.postSend([{ wrId: 1, opcode: WrOpcode.RDMA_READ, flags: SendFlags.SIGNALED, sgList: [sge(dst)], remoteAddr: src.addr, rkey: src.rkey }]);
+      const [wc] = await waitCompletions(a, 1);
+      assert.equal(wcStatusName(wc!.status), "REM_INV_REQ_ERR");
+      await w.until(() => events.length > 0, "the responder's async event");
+      assert.match(events[0]!.reason, /maxDestRdAtomic 0/);
+    } finally {
+      devA.close();
+      devB.close();
+    }
+  });
+});

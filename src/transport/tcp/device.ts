@@ -20,7 +20,9 @@ import {
   type QueuePair,
   type TcpDeviceOptions,
 } from "../types.js";
-import { TcpQueuePair, acceptIncoming } from "./qp.js";
+import { TcpQueuePair } from "./qp.js";
+import { HELLO_TIMEOUT_MS, MAX_PENDING_HELLO, MAX_PENDING_HELLO_PER_SOURCE, PendingStreams, acceptIncoming } from "./accept.js";
+import { KeySpace } from "./keys.js";
 import { detachArrayBuffer, isDetached } from "../buffers.js";
 
 const PAGE = 4096;
@@ -56,12 +58,20 @@ export class TcpDevice implements Device {
   port = 0;
   /** lkey/rkey → MR or MW. One key space per device, as on an HCA. */
   readonly keys = new Map<number, KeyTarget>();
+  /** Key indices reserved by live MRs and windows (see keys.ts): crypto-random, never colliding, never 0. */
+  readonly keySpace: KeySpace;
+  /** Live MRs and windows on this device (bounded by attr.maxMr / attr.maxMw, as verbs does). */
+  liveMrs = 0;
+  liveMws = 0;
   readonly qps = new Map<number, TcpQueuePair>();
   readonly cqs = new Set<TcpCq>();
-  /** Accepted streams still waiting for their HELLO. */
-  pendingHello = 0;
+  /** Accepted streams still waiting for their HELLO, by source (accept.ts). */
+  readonly pendingHello = new PendingStreams();
+  /** Limits on those streams (defaults in accept.ts; documented in docs/architecture.md). */
+  helloTimeoutMs = HELLO_TIMEOUT_MS;
+  maxPendingHello = MAX_PENDING_HELLO;
+  maxPendingHelloPerSource = MAX_PENDING_HELLO_PER_SOURCE;
   private server: net.Server | null = null;
-  private nextKey = randomInt(1, 0x7fff) << 8;
   private nextQpn = randomInt(0x100, 0x8000);
   private nextAddr = 0x7f0000000000 + randomInt(0, 0x10000) * PAGE;
   closed = false;
@@ -70,6 +80,7 @@ export class TcpDevice implements Device {
     this.name = name;
     this.host = host;
     this.attr = { ...TCP_DEVICE_ATTR, nodeGuid: randomGuid() };
+    this.keySpace = new KeySpace(this.attr.maxMr + this.attr.maxMw);
   }
 
   async listen(port: number): Promise<void> {
@@ -112,10 +123,13 @@ export class TcpDevice implements Device {
     return cq;
   }
 
+  /** A fresh key for an MR or window (its index stays reserved until {@link releaseKey}). */
   allocKey(): number {
-    this.nextKey = (this.nextKey + 0x100) >>> 0;
-    if (this.nextKey === 0) this.nextKey = 0x100;
-    return this.nextKey | randomInt(0, 256);
+    return this.keySpace.alloc();
+  }
+
+  releaseKey(key: number): void {
+    this.keySpace.release(key);
   }
 
   allocQpn(): number {
@@ -143,6 +157,7 @@ export class TcpDevice implements Device {
     this.cqs.clear();
     this.server?.close();
     this.server = null;
+    this.pendingHello.destroyAll();
   }
 }
 
@@ -188,6 +203,9 @@ export class TcpPd implements ProtectionDomain {
       checkInt("length", len, 1, Math.min(memory.byteLength - offset, this.device.attr.maxMrSize));
       owned = false;
     }
+    if (this.device.liveMrs >= this.device.attr.maxMr) {
+      throw new RdmaError("RESOURCE_EXHAUSTED", `device ${this.device.name} already has ${this.device.attr.maxMr} MRs registered (maxMr; verbs refuses with ENOMEM)`, { errno: "ENOMEM" });
+    }
     const mr = new TcpMr(this, buffer, offset, len, access, owned);
     this.mrs++;
     return mr;
@@ -196,8 +214,12 @@ export class TcpPd implements ProtectionDomain {
   allocMw(type: 1 | 2 = 2): MemoryWindow {
     this.checkOpen();
     if (type !== 1 && type !== 2) throw new RdmaError("INVALID_ARGUMENT", `memory window type must be 1 or 2, got ${String(type)}`);
+    if (this.device.liveMws >= this.device.attr.maxMw) {
+      throw new RdmaError("RESOURCE_EXHAUSTED", `device ${this.device.name} already has ${this.device.attr.maxMw} memory windows (maxMw; verbs refuses with ENOMEM)`, { errno: "ENOMEM" });
+    }
+    const mw = new TcpMw(this, type);
     this.mws++;
-    return new TcpMw(this, type);
+    return mw;
   }
 
   createQp(init: QpInitAttr): QueuePair {
@@ -259,6 +281,7 @@ export class TcpMr implements MemoryRegion {
     this.lkey = this.rkey = pd.device.allocKey();
     this.view = new Uint8Array(buffer, offset, length);
     pd.device.keys.set(this.lkey, this);
+    pd.device.liveMrs++;
   }
 
   get buffer(): ArrayBuffer {
@@ -283,6 +306,8 @@ export class TcpMr implements MemoryRegion {
     if (this.boundWindows > 0) throw new RdmaError("INVALID_STATE", `MR has ${this.boundWindows} memory windows bound (verbs refuses with EBUSY)`, { errno: "EBUSY" });
     this.deregistered = true;
     this.pd.device.keys.delete(this.lkey);
+    this.pd.device.releaseKey(this.lkey);
+    this.pd.device.liveMrs--;
     this.pd.released("mr");
     if (this.owned) {
       // Memory the provider allocated: detach every JS view so it cannot be touched after free,
@@ -315,7 +340,9 @@ export class TcpMw implements MemoryWindow {
   constructor(pd: TcpPd, type: 1 | 2) {
     this.pd = pd;
     this.type = type;
+    // The index is the window's for life; binds change only the low byte (nextRkey).
     this.key = pd.device.allocKey();
+    pd.device.liveMws++;
   }
 
   get rkey(): number {
@@ -353,6 +380,8 @@ export class TcpMw implements MemoryWindow {
     if (this.deallocated) return;
     this.unbind();
     this.deallocated = true;
+    this.pd.device.releaseKey(this.key);
+    this.pd.device.liveMws--;
     this.pd.released("mw");
   }
 }

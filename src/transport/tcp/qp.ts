@@ -52,6 +52,37 @@ const PIGGYBACK_MAX_QUEUED = 64 * 1024;
  * whose whole window arrived in one turn gets it back without a bubble.
  */
 const ACK_EAGER_REQUESTS = 16;
+/**
+ * Default of QpConnectAttr.livenessMs: a requester with work outstanding
+ * tolerates this long without hearing from a peer whose streams are up (its
+ * event loop may be blocked or stopped: TCP itself retransmits, and a cut
+ * stream is seen at once). Survives multi-second GC pauses and synchronous work.
+ */
+export const DEFAULT_LIVENESS_MS = 15_000;
+/**
+ * While a request payload of at least PROGRESS_MIN_PAYLOAD bytes is arriving,
+ * the responder tells the requester it is alive (a duplicate cumulative ACK,
+ * or the ACK it owes) at most every PROGRESS_INTERVAL_MS: progress restarts
+ * the requester's no-progress timer, so no single transfer is limited in length.
+ */
+const PROGRESS_MIN_PAYLOAD = 1 << 20;
+const PROGRESS_INTERVAL_MS = 4;
+/**
+ * A no-progress check that runs this much later than scheduled means our own
+ * event loop was stalled: that time is not counted against the peer.
+ */
+const STALL_CREDIT_MS = 100;
+/**
+ * The responder stops reading a peer's requests while more than this many
+ * bytes of its responses wait in user space (the peer does not read them),
+ * and reads again on 'drain'. Bounds what a peer can make us queue.
+ */
+const RESP_PAUSE_BYTES = 1 << 20;
+/**
+ * After ERR the QP finishes writing what it queued (a NAK) before closing its
+ * streams; a peer that does not read gets its streams destroyed after this long.
+ */
+const ERR_LINGER_MS = 2_000;
 const ENTRY_QUEUED = 0;
 const ENTRY_SENT = 1;
 const ENTRY_DONE = 2;
@@ -105,6 +136,10 @@ export interface TcpQpStats {
   readonly piggybackedAcksReceived: number;
   /** Received piggybacked ACKs that overtook a READ/ATOMIC response and were held until it arrived. */
   readonly piggybackedAcksHeld: number;
+  /** Duplicate ACKs the responder wrote to signal progress during a long request payload. */
+  readonly progressAcks: number;
+  /** Times the responder stopped reading requests because its responses were not being read. */
+  readonly requestPauses: number;
 }
 
 function isReadOrAtomic(opcode: number): boolean {
@@ -142,11 +177,15 @@ function psnBefore(a: number, b: number): boolean {
  * the payload copied straight into its placement (registered memory) as bytes
  * arrive, with no reassembly buffer.
  */
-class FrameReader {
+export class FrameReader {
   private readonly hdrBuf = Buffer.alloc(HEADER_LEN);
   private hdrFill = 0;
   readonly h: FrameHeader = newHeader();
   private remaining = 0;
+  /** Payload bytes of the current frame still to come (0 between frames). */
+  get payloadLeft(): number {
+    return this.remaining;
+  }
   private targets: Uint8Array[] | null = null;
   /** Checked before every placement: false once the target memory was deregistered. */
   private guard: (() => boolean) | null = null;
@@ -241,49 +280,6 @@ class FrameReader {
   }
 }
 
-/** First frame on an accepted socket must be HELLO naming the QP; then that QP's responder takes the stream. */
-export function acceptIncoming(device: TcpDevice, sock: net.Socket): void {
-  // Streams that have not said HELLO yet are bounded: a flood of silent connections cannot pile up.
-  if (device.pendingHello >= 4096) {
-    sock.destroy();
-    return;
-  }
-  device.pendingHello++;
-  let counted = true;
-  const uncount = (): void => {
-    if (counted) device.pendingHello--;
-    counted = false;
-  };
-  sock.once("close", uncount);
-  sock.setNoDelay(true);
-  let hello: { qp: TcpQueuePair; srcQp: number; psn: number } | null = null;
-  const reader = new FrameReader(
-    (h) => {
-      reader.stopped = true;
-      const target = h.type === FrameType.HELLO ? device.qps.get(h.aux) : undefined;
-      // No such QP: the requester sees its connection close and fails with RETRY_EXC_ERR, as verbs would after its retries.
-      if (!target || target.state === QpState.ERR) sock.destroy();
-      else hello = { qp: target, srcQp: Number(h.op1), psn: h.psn };
-    },
-    () => {},
-    () => sock.destroy(),
-  );
-  const onData = (chunk: Buffer): void => {
-    reader.feed(chunk);
-    if (reader.stopped) {
-      sock.off("data", onData);
-      clearTimeout(t);
-      uncount();
-      if (hello !== null) hello.qp.incoming(sock, hello.srcQp, hello.psn, reader.leftover);
-    }
-  };
-  sock.on("data", onData);
-  sock.on("error", () => {});
-  // A connection that never says HELLO is dropped.
-  const t = setTimeout(() => sock.destroy(), 10_000);
-  t.unref();
-}
-
 export class TcpQueuePair implements QueuePair {
   readonly pd: TcpPd;
   readonly qpNum: number;
@@ -310,6 +306,8 @@ export class TcpQueuePair implements QueuePair {
   private rnrWait: NodeJS.Timeout | null = null;
   private pendingLocalError: SqEntry | null = null;
   private ackTimer: NodeJS.Timeout | null = null;
+  /** Set while a due no-progress verdict waits one turn for I/O already received (our own loop may have stalled). */
+  private ackConfirm: NodeJS.Immediate | null = null;
   private lastProgress = 0;
   private respTargetEntry: SqEntry | null = null;
   /**
@@ -336,6 +334,12 @@ export class TcpQueuePair implements QueuePair {
   private curRecv: RqEntry | null = null;
   private curWriteImm = false;
   private respDiscard = false;
+  /** When the responder last signalled progress during a long request payload (see PROGRESS_INTERVAL_MS). */
+  private progressAt = 0;
+  /** READ/atomic responses written but not yet handed to the kernel: requests still outstanding at the peer. */
+  private respUnflushed = 0;
+  /** The request stream is paused until the response stream drains. */
+  private respPaused = false;
 
   // connection attributes
   private remote: Endpoint | null = null;
@@ -344,8 +348,10 @@ export class TcpQueuePair implements QueuePair {
   private rnrRetry = 7;
   private minRnrTimer = 12;
   private maxRdAtomic = 16;
+  private livenessMs = DEFAULT_LIVENESS_MS;
+  private maxDestRdAtomic = 16;
   readonly boundWindows = new Set<TcpMw>();
-  private readonly counters = { requests: 0, acks: 0, piggybackedAcks: 0, piggybackedAcksReceived: 0, piggybackedAcksHeld: 0 };
+  private readonly counters = { requests: 0, acks: 0, piggybackedAcks: 0, piggybackedAcksReceived: 0, piggybackedAcksHeld: 0, progressAcks: 0, requestPauses: 0 };
 
   /** Frame counters (a snapshot). */
   get stats(): TcpQpStats {
@@ -417,7 +423,8 @@ export class TcpQueuePair implements QueuePair {
     this.rnrRetry = checkInt("rnrRetry", attr.rnrRetry ?? 7, 0, 7);
     this.minRnrTimer = checkInt("minRnrTimer", attr.minRnrTimer ?? 12, 0, 31);
     this.maxRdAtomic = checkInt("maxRdAtomic", attr.maxRdAtomic ?? 16, 1, this.device.attr.maxQpInitRdAtom);
-    checkInt("maxDestRdAtomic", attr.maxDestRdAtomic ?? 16, 0, this.device.attr.maxQpRdAtom);
+    this.maxDestRdAtomic = checkInt("maxDestRdAtomic", attr.maxDestRdAtomic ?? 16, 0, this.device.attr.maxQpRdAtom);
+    this.livenessMs = checkInt("livenessMs", attr.livenessMs ?? DEFAULT_LIVENESS_MS, 0, 2 ** 31 - 1);
     this.remote = { ...remote };
     this.ePsn = remote.psn;
     this.state = QpState.RTS;
@@ -433,7 +440,11 @@ export class TcpQueuePair implements QueuePair {
       () => this.onResponseRevoked(),
     );
     this.reqReader = reader;
-    sock.on("data", (chunk: Buffer) => reader.feed(chunk));
+    sock.on("data", (chunk: Buffer) => {
+      // Any byte from the peer on this stream (ACK, NAK, response, part of one) is progress.
+      this.lastProgress = performance.now();
+      reader.feed(chunk);
+    });
     sock.on("drain", () => {
       this.drainWait = false;
       this.pump();
@@ -479,8 +490,15 @@ export class TcpQueuePair implements QueuePair {
     const feed = (chunk: Buffer): void => {
       reader.feed(chunk);
       this.scheduleAck();
+      if (reader.payloadLeft > 0) this.signalProgress(reader.h);
+      this.throttleRequests(sock);
     };
     sock.on("data", feed);
+    sock.on("drain", () => {
+      if (!this.respPaused) return;
+      this.respPaused = false;
+      if (this.state === QpState.RTS) sock.resume();
+    });
     sock.on("error", () => {});
     sock.on("close", () => this.connectionLost("peer closed the connection"));
     if (rest) feed(rest);
@@ -1011,24 +1029,55 @@ export class TcpQueuePair implements QueuePair {
     }, ms);
   }
 
+  /** How long the requester waits without progress from the peer: max(timeout × (retryCnt+1), livenessMs). */
+  private noProgressLimit(): number {
+    if (this.timeoutMs === Infinity) return Infinity;
+    return Math.max(this.timeoutMs * (this.retryCnt + 1), this.livenessMs);
+  }
+
   private armAckTimer(): void {
-    if (this.ackTimer !== null || this.timeoutMs === Infinity) return;
-    const limit = this.timeoutMs * (this.retryCnt + 1);
+    if (this.ackTimer !== null || this.ackConfirm !== null || this.timeoutMs === Infinity) return;
+    const limit = this.noProgressLimit();
+    const tick = Math.max(1, Math.min(this.timeoutMs, limit / 4));
+    let prev = performance.now();
     const check = (): void => {
       this.ackTimer = null;
+      this.ackConfirm = null;
+      // A tick that comes late means our own event loop did not run (blocked, descheduled): the peer
+      // could not be heard meanwhile, so that time does not count against it.
+      const now = performance.now();
+      const late = now - prev - tick;
+      if (late > STALL_CREDIT_MS) this.lastProgress = Math.min(now, this.lastProgress + late);
+      prev = now;
+      if (this.state !== QpState.RTS) return;
+      if (this.firstSent() === null) return;
+      if (this.rnrWait === null && performance.now() - this.lastProgress >= limit) {
+        // Timers run before I/O in a turn: after a stall of our own event loop the peer's answer may be
+        // waiting in the socket. Read it first (the poll phase runs before setImmediate), then judge.
+        // (Not unref'd: an unref'd immediate does not stop the poll phase from blocking, so it could wait for unrelated I/O.)
+        this.ackConfirm = setImmediate(confirm);
+        return;
+      }
+      this.ackTimer = setTimeout(check, tick);
+      this.ackTimer.unref();
+    };
+    const confirm = (): void => {
+      this.ackConfirm = null;
       if (this.state !== QpState.RTS) return;
       const e = this.firstSent();
       if (e === null) return;
       if (this.rnrWait === null && performance.now() - this.lastProgress >= limit) {
         e.state = ENTRY_DONE;
         e.status = WcStatus.RETRY_EXC_ERR;
-        this.enterError(`no response from the peer within ${limit.toFixed(0)} ms (timeout ${this.timeoutMs.toFixed(1)} ms × ${this.retryCnt + 1} tries)`, true, "QP_FATAL");
+        const why = this.livenessMs > this.timeoutMs * (this.retryCnt + 1) ? `livenessMs ${this.livenessMs}` : `timeout ${this.timeoutMs.toFixed(1)} ms × ${this.retryCnt + 1} tries`;
+        this.enterError(`no response from the peer within ${limit.toFixed(0)} ms (${why}; its streams are still open)`, true, "QP_FATAL");
         return;
       }
-      this.ackTimer = setTimeout(check, Math.max(1, this.timeoutMs));
+      prev = performance.now();
+      this.ackTimer = setTimeout(check, tick);
       this.ackTimer.unref();
     };
-    this.ackTimer = setTimeout(check, Math.max(1, this.timeoutMs));
+    this.ackTimer = setTimeout(check, tick);
     this.ackTimer.unref();
   }
 
@@ -1037,16 +1086,44 @@ export class TcpQueuePair implements QueuePair {
   private respond(type: FrameType, psn: number, aux: number, op1: bigint, op2: bigint, payload: Uint8Array | null, from: TcpMr | null = null): void {
     const s = this.respSock;
     if (!s || s.destroyed) return;
+    // READ/atomic responses hold a responder resource until the kernel has them (see maxDestRdAtomic).
+    const resource = type === FrameType.READ_RESP || type === FrameType.ATOMIC_RESP;
+    if (resource) this.respUnflushed++;
     if (payload && payload.length > 0) {
       s.cork();
       s.write(encodeHeader(type, 0, psn, payload.length, 0, 0, 0, aux, op1, op2));
       if (from) {
         from.retainForWrite();
-        s.write(payload, from.writeDone);
-      } else s.write(payload);
+        s.write(
+          payload,
+          resource
+            ? () => {
+                from.writeDone();
+                this.respFlushed();
+              }
+            : from.writeDone,
+        );
+      } else s.write(payload, resource ? this.respFlushed : undefined);
       s.uncork();
     } else {
-      s.write(encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2));
+      s.write(encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2), resource ? this.respFlushed : undefined);
+    }
+  }
+
+  private readonly respFlushed = (): void => {
+    this.respUnflushed--;
+  };
+
+  /**
+   * Back-pressure on the responder: while more than RESP_PAUSE_BYTES of
+   * responses and ACKs wait in user space for a peer that does not read them,
+   * its request stream is not read either ('drain' resumes it).
+   */
+  private throttleRequests(sock: net.Socket): void {
+    if (!this.respPaused && sock.writableLength > RESP_PAUSE_BYTES && this.state === QpState.RTS) {
+      this.respPaused = true;
+      this.counters.requestPauses++;
+      sock.pause();
     }
   }
 
@@ -1076,6 +1153,22 @@ export class TcpQueuePair implements QueuePair {
     if (this.ackScheduled) return;
     this.ackScheduled = true;
     setImmediate(this.ackAtTurnEnd);
+  }
+
+  /**
+   * Mid-payload of a long request: tell the requester we are alive, at most
+   * every PROGRESS_INTERVAL_MS, with the ACK we owe or else a duplicate of the
+   * last cumulative ACK (ePsn - 1: everything before the current request is
+   * placed and its responses are already queued ahead on this stream).
+   */
+  private signalProgress(h: FrameHeader): void {
+    if (this.respDiscard || this.state !== QpState.RTS || h.payloadLen < PROGRESS_MIN_PAYLOAD) return;
+    const now = performance.now();
+    if (now - this.progressAt < PROGRESS_INTERVAL_MS) return;
+    this.progressAt = now;
+    this.counters.progressAcks++;
+    if (this.ackPending >= 0) this.flushAck();
+    else this.respond(FrameType.ACK, (this.ePsn - 1) & PSN_MASK, Syndrome.ACK, 0n, 0n, null);
   }
 
   private readonly ackAtTurnEnd = (): void => {
@@ -1167,6 +1260,7 @@ export class TcpQueuePair implements QueuePair {
     }
     if (h.psn !== this.ePsn) return this.protocolError("responder", `PSN ${h.psn} out of sequence (expected ${this.ePsn})`);
     this.respDiscard = false;
+    if (h.payloadLen >= PROGRESS_MIN_PAYLOAD) this.progressAt = performance.now();
     this.curRecv = null;
     this.curWriteImm = false;
     switch (h.type) {
@@ -1213,6 +1307,7 @@ export class TcpQueuePair implements QueuePair {
         return;
       }
       case FrameType.READ_REQ: {
+        if (!this.responderResource(h)) return;
         if (!(this.qpAccess & Access.REMOTE_READ)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote read");
         const v = this.remoteView(h, h.aux, Access.REMOTE_READ);
         if (v === null) return;
@@ -1222,6 +1317,7 @@ export class TcpQueuePair implements QueuePair {
         return;
       }
       case FrameType.ATOMIC: {
+        if (!this.responderResource(h)) return;
         if (!(this.qpAccess & Access.REMOTE_ATOMIC)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote atomics");
         // IBA: atomics need an 8-byte aligned target; rxe answers a misaligned one with NAK invalid request.
         if (h.raddr % 8 !== 0) return this.nak(h.psn, Syndrome.NAK_INV_REQ, `atomic target 0x${h.raddr.toString(16)} is not 8-byte aligned`);
@@ -1239,6 +1335,26 @@ export class TcpQueuePair implements QueuePair {
       default:
         return this.protocolError("responder", `unexpected frame type ${h.type} on the responder stream`);
     }
+  }
+
+  /**
+   * IBA: a requester may have at most the responder's maxDestRdAtomic READs
+   * and atomics outstanding; more is a class C error (NAK invalid request,
+   * REM_INV_REQ_ERR at the requester, both QPs to ERR), as rxe answers
+   * RESPST_ERR_TOO_MANY_RDMA_ATM_REQ. A response the kernel has not taken yet
+   * cannot have reached the requester, so its request is certainly still
+   * outstanding there: counting those never refuses a requester within the limit.
+   */
+  private responderResource(h: FrameHeader): boolean {
+    if (this.respUnflushed < this.maxDestRdAtomic) return true;
+    this.nak(
+      h.psn,
+      Syndrome.NAK_INV_REQ,
+      this.maxDestRdAtomic === 0
+        ? "RDMA READ/atomic request, but this QP has no responder resources (maxDestRdAtomic 0)"
+        : `more RDMA READ/atomic requests outstanding than maxDestRdAtomic ${this.maxDestRdAtomic} (${this.respUnflushed} responses not yet taken by the peer)`,
+    );
+    return false;
   }
 
   /** The target of an incoming WRITE/SEND went away mid-payload: remote access error, as an HCA would answer. */
@@ -1322,6 +1438,8 @@ export class TcpQueuePair implements QueuePair {
     this.rnrWait = null;
     if (this.ackTimer) clearTimeout(this.ackTimer);
     this.ackTimer = null;
+    if (this.ackConfirm) clearImmediate(this.ackConfirm);
+    this.ackConfirm = null;
     this.ackMark = -1;
     // Flush: every unfinished WR completes with WR_FLUSH_ERR, in order.
     for (let i = this.sqHead; i < this.sq.length; i++) {
@@ -1338,7 +1456,12 @@ export class TcpQueuePair implements QueuePair {
     this.rqHead = 0;
     // The peer learns at once (its streams close) instead of after its ACK timeout.
     // Finish what we queued (a NAK, say), then stop reading: a peer that keeps streaming is not served.
-    for (const sock of [this.reqSock, this.respSock]) sock?.end(() => sock.destroy());
+    for (const sock of [this.reqSock, this.respSock]) {
+      if (!sock) continue;
+      sock.end(() => sock.destroy());
+      // A peer that does not read would keep the stream (and what we queued) forever.
+      setTimeout(() => sock.destroy(), ERR_LINGER_MS).unref();
+    }
     for (const p of this.parked) p.sock.destroy();
     this.parked = [];
     if (notify) this.emit(type, reason);
@@ -1351,7 +1474,9 @@ export class TcpQueuePair implements QueuePair {
     this.state = QpState.ERR;
     if (this.rnrWait) clearTimeout(this.rnrWait);
     if (this.ackTimer) clearTimeout(this.ackTimer);
+    if (this.ackConfirm) clearImmediate(this.ackConfirm);
     this.rnrWait = this.ackTimer = null;
+    this.ackConfirm = null;
     for (const mw of this.boundWindows) mw.unbind();
     this.boundWindows.clear();
     this.reqSock?.destroy();

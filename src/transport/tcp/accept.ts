@@ -1,0 +1,162 @@
+/**
+ * Accepting streams on a tcp device's port. The first frame on an accepted
+ * stream must be HELLO naming a local QP; that QP's responder then takes the
+ * stream (TcpQueuePair.incoming). Until then the stream is "pending", and what
+ * strangers can make the device hold is bounded three ways:
+ *
+ * - per source (an IPv4 address, or an IPv6 /64): at most
+ *   `maxPendingHelloPerSource` pending streams; a new one from the same source
+ *   evicts that source's oldest;
+ * - in total: at most `maxPendingHello`; when full, a newcomer evicts the
+ *   oldest stream of the source holding the most, so a new source always gets
+ *   a slot (a legitimate dialer says HELLO at once and is pending for
+ *   microseconds);
+ * - in time: a stream that has not said HELLO within `helloTimeoutMs` is
+ *   destroyed.
+ */
+import type net from "node:net";
+import { QpState } from "../types.js";
+import { FrameType } from "./codec.js";
+import { FrameReader, type TcpQueuePair } from "./qp.js";
+
+/** Defaults of the device's limits on streams that have not said HELLO (see docs/architecture.md, Limits). */
+export const HELLO_TIMEOUT_MS = 10_000;
+export const MAX_PENDING_HELLO = 4096;
+export const MAX_PENDING_HELLO_PER_SOURCE = 64;
+
+/** What acceptIncoming needs from the device. */
+export interface AcceptingDevice {
+  readonly qps: Map<number, TcpQueuePair>;
+  readonly pendingHello: PendingStreams;
+  helloTimeoutMs: number;
+  maxPendingHello: number;
+  maxPendingHelloPerSource: number;
+}
+
+/** The key a stream's source is counted under: an IPv4 address, or the /64 of an IPv6 address. */
+export function sourceKey(addr: string | undefined): string {
+  if (!addr) return "?";
+  const mapped = /^::ffff:(\d+\.\d+\.\d+\.\d+)$/i.exec(addr);
+  if (mapped) return mapped[1]!;
+  if (!addr.includes(":")) return addr;
+  const bare = addr.replace(/%.*$/, "");
+  const [head = "", tail] = bare.split("::");
+  const left = head === "" ? [] : head.split(":");
+  const right = tail === undefined || tail === "" ? [] : tail.split(":");
+  const groups = tail === undefined ? left : [...left, ...Array<string>(Math.max(0, 8 - left.length - right.length)).fill("0"), ...right];
+  return groups
+    .slice(0, 4)
+    .map((g) => parseInt(g || "0", 16).toString(16))
+    .join(":") + "::/64";
+}
+
+interface Pending {
+  readonly sock: net.Socket;
+  readonly source: string;
+}
+
+/** Streams waiting for their HELLO, by source, oldest first. */
+export class PendingStreams {
+  private readonly bySource = new Map<string, Set<Pending>>();
+  private count = 0;
+  /** Streams destroyed to make room (per-source or total bound) and for missing the HELLO deadline. */
+  evicted = 0;
+  timedOut = 0;
+
+  get size(): number {
+    return this.count;
+  }
+
+  countOf(source: string): number {
+    return this.bySource.get(source)?.size ?? 0;
+  }
+
+  add(source: string, sock: net.Socket): Pending {
+    const p: Pending = { sock, source };
+    let set = this.bySource.get(source);
+    if (!set) this.bySource.set(source, (set = new Set()));
+    set.add(p);
+    this.count++;
+    return p;
+  }
+
+  /** No longer pending (HELLO arrived, or the stream closed). Idempotent. */
+  remove(p: Pending): void {
+    const set = this.bySource.get(p.source);
+    if (!set?.delete(p)) return;
+    this.count--;
+    if (set.size === 0) this.bySource.delete(p.source);
+  }
+
+  /** Destroys the oldest pending stream of `source`. */
+  evictOldest(source: string): void {
+    const set = this.bySource.get(source);
+    const oldest = set?.values().next().value;
+    if (oldest === undefined) return;
+    this.remove(oldest);
+    this.evicted++;
+    oldest.sock.destroy();
+  }
+
+  /** Destroys the oldest pending stream of the source holding the most. */
+  evictFromLargest(): void {
+    let best: string | null = null;
+    let most = 0;
+    for (const [source, set] of this.bySource) {
+      if (set.size > most) {
+        most = set.size;
+        best = source;
+      }
+    }
+    if (best !== null) this.evictOldest(best);
+  }
+
+  /** Device closing: every pending stream goes. */
+  destroyAll(): void {
+    for (const set of [...this.bySource.values()]) for (const p of [...set]) p.sock.destroy();
+    this.bySource.clear();
+    this.count = 0;
+  }
+}
+
+/** First frame on an accepted socket must be HELLO naming the QP; then that QP's responder takes the stream. */
+export function acceptIncoming(device: AcceptingDevice, sock: net.Socket): void {
+  const pending = device.pendingHello;
+  const source = sourceKey(sock.remoteAddress);
+  if (pending.countOf(source) >= device.maxPendingHelloPerSource) pending.evictOldest(source);
+  if (pending.size >= device.maxPendingHello) pending.evictFromLargest();
+  const entry = pending.add(source, sock);
+  sock.once("close", () => pending.remove(entry));
+  sock.setNoDelay(true);
+  let hello: { qp: TcpQueuePair; srcQp: number; psn: number } | null = null;
+  const reader = new FrameReader(
+    (h) => {
+      reader.stopped = true;
+      const target = h.type === FrameType.HELLO ? device.qps.get(h.aux) : undefined;
+      // No such QP: the requester sees its connection close and fails with RETRY_EXC_ERR, as verbs would after its retries.
+      if (!target || target.state === QpState.ERR) sock.destroy();
+      else hello = { qp: target, srcQp: Number(h.op1), psn: h.psn };
+    },
+    () => {},
+    () => sock.destroy(),
+  );
+  const onData = (chunk: Buffer): void => {
+    reader.feed(chunk);
+    if (reader.stopped) {
+      sock.off("data", onData);
+      clearTimeout(deadline);
+      pending.remove(entry);
+      if (hello !== null && !sock.destroyed) hello.qp.incoming(sock, hello.srcQp, hello.psn, reader.leftover);
+    }
+  };
+  sock.on("data", onData);
+  sock.on("error", () => {});
+  // A stream that never says HELLO is dropped at the deadline.
+  const deadline = setTimeout(() => {
+    if (sock.destroyed) return;
+    pending.timedOut++;
+    sock.destroy();
+  }, device.helloTimeoutMs);
+  deadline.unref();
+  sock.once("close", () => clearTimeout(deadline));
+}
