@@ -68,8 +68,9 @@ export const DEFAULT_LIVENESS_MS = 15_000;
 const PROGRESS_MIN_PAYLOAD = 1 << 20;
 const PROGRESS_INTERVAL_MS = 4;
 /**
- * A no-progress check that runs this much later than scheduled means our own
- * event loop was stalled: that time is not counted against the peer.
+ * A no-progress check that runs this much (or a quarter of the limit, if
+ * less) later than scheduled means our own event loop was stalled: that time
+ * is not counted against the peer.
  */
 const STALL_CREDIT_MS = 100;
 /**
@@ -1039,6 +1040,7 @@ export class TcpQueuePair implements QueuePair {
     if (this.ackTimer !== null || this.ackConfirm !== null || this.timeoutMs === Infinity) return;
     const limit = this.noProgressLimit();
     const tick = Math.max(1, Math.min(this.timeoutMs, limit / 4));
+    const stallCredit = Math.min(STALL_CREDIT_MS, limit / 4);
     let prev = performance.now();
     const check = (): void => {
       this.ackTimer = null;
@@ -1047,7 +1049,7 @@ export class TcpQueuePair implements QueuePair {
       // could not be heard meanwhile, so that time does not count against it.
       const now = performance.now();
       const late = now - prev - tick;
-      if (late > STALL_CREDIT_MS) this.lastProgress = Math.min(now, this.lastProgress + late);
+      if (late > stallCredit) this.lastProgress = Math.min(now, this.lastProgress + late);
       prev = now;
       if (this.state !== QpState.RTS) return;
       if (this.firstSent() === null) return;
