@@ -104,7 +104,8 @@ export class Context {
     try {
       this.pd.dealloc();
     } catch {
-      /* something still registered: the device close below reclaims it */
+      // Something is still registered in it (a registration the agent did not release): the PD
+      // stays until the device closes, when the last context on it goes (a fork's parent is the listener's).
     }
     this.releaseDevice();
   }
