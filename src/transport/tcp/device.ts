@@ -489,6 +489,8 @@ export class TcpCq implements CompletionQueue {
     if (this.destroyed) return;
     if (this.qps.size > 0 && !this.device.closed) throw new RdmaError("INVALID_STATE", `completion queue still used by ${this.qps.size} QPs (verbs refuses with EBUSY)`, { errno: "EBUSY" });
     this.destroyed = true;
+    // A destroyed CQ leaves the device's table (it held ~8 KiB per closed connection).
+    this.device.cqs.delete(this);
     this.updateHold();
   }
 }
