@@ -45,6 +45,8 @@ export const peerMemory = new PeerMemoryBudget();
  */
 export function setPeerMemoryLimit(bytes: number): void {
   peerMemory.limit = checkInt("peerMemoryLimit", bytes, 0, Number.MAX_SAFE_INTEGER);
+  // A raised limit may let waiting rendezvous messages in.
+  peerMemory.give(0);
 }
 
 export function peerMemoryUsage(): { limit: number; used: number } {
