@@ -526,6 +526,19 @@ export class Connection implements MemoryHost {
     });
   }
 
+  /**
+   * An operation ends (once): its memory is unpinned, its abort watch
+   * removed, and its continuations handed to the caller to run.
+   */
+  private endOp(op: Op): { resolve: Op["resolve"]; reject: Op["reject"]; then: Op["then"] } {
+    for (const m of op.mems) m.opDone();
+    op.mems = [];
+    this.finish(op);
+    const r = { resolve: op.resolve, reject: op.reject, then: op.then };
+    op.resolve = op.reject = op.then = null;
+    return r;
+  }
+
   /** The abort listener goes with the operation, however it ends. */
   private finish(op: Op): void {
     op.unwatch?.();
@@ -537,15 +550,9 @@ export class Connection implements MemoryHost {
   /** An operation none of whose work requests was posted is dropped: its resources freed, its promise rejected. */
   private dropQueued(op: Op, parts: Pending[], err: unknown): void {
     for (const p of parts) if (p.hdr) this.putHdr(p.hdr);
-    for (const m of op.mems) m.opDone();
-    op.mems = [];
     op.result?.release();
     op.result = null;
-    this.finish(op);
-    const then = op.then;
-    const reject = op.reject;
-    op.then = null;
-    op.resolve = op.reject = null;
+    const { reject, then } = this.endOp(op);
     then?.(false);
     reject?.(err);
   }
@@ -902,14 +909,8 @@ export class Connection implements MemoryHost {
     op.parts = 0;
     if (op.hdr) this.putHdr(op.hdr);
     op.hdr = null;
-    for (const m of op.mems) m.opDone();
-    op.mems = [];
-    this.finish(op);
-    const resolve = op.resolve;
-    const reject = op.reject;
-    const then = op.then;
     // A failed part settles the operation once; the parts after it complete flushed, silently.
-    op.resolve = op.reject = op.then = null;
+    const { resolve, reject, then } = this.endOp(op);
     if (status === WcStatus.SUCCESS) {
       let v: unknown;
       if (op.result) {
@@ -1209,12 +1210,7 @@ export class Connection implements MemoryHost {
       op.hdr = null;
       op.result?.release();
       op.result = null;
-      for (const m of op.mems) m.opDone();
-      op.mems = [];
-      this.finish(op);
-      const then = op.then;
-      const reject = op.reject;
-      op.then = op.resolve = op.reject = null;
+      const { reject, then } = this.endOp(op);
       then?.(false);
       reject?.(this.failure);
     }

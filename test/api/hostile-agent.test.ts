@@ -38,12 +38,21 @@ describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, { timeout: 120_000 * 
 
   it("#2 a grant the requester no longer waits for is released at once (no orphan)", () =>
     withApiPair(async ({ client, server }) => {
-      // A grant for a request this side never made (forged token): released back by the requester.
-      server.conn.sendCtrl({ type: MsgType.MR_GRANT, token: 999, id: 77, a: 8, b: 1000, addr: 0x1000, rkey: 5 });
-      const r = await client.requestRemoteMr(8);
-      assert.equal(server.stats().grants, 1);
-      r.dispose();
-      await eventually(() => server.stats().grants === 0, 5000 * SLOW, "the release");
+      // The request is aborted after its MR_REQUEST is queued: the owner still grants it, and the
+      // requester, which no longer waits, must hand the grant straight back.
+      const ac = new AbortController();
+      const gone = client.requestRemoteMr(8, { signal: ac.signal });
+      ac.abort();
+      await assert.rejects(gone, code("ABORTED"));
+      // RC order: once this later grant is here, the first grant reached the client before it, and
+      // its release left before anything this side sends next.
+      const kept = await client.requestRemoteMr(8);
+      await eventually(() => server.stats().grants === 1, 10_000 * SLOW, "the orphan grant to be released");
+      using lmr = client.allocLocalMr(8);
+      await client.write(lmr, kept);
+      assert.equal(server.stats().grants, 1, "only the grant the client holds");
+      kept.dispose();
+      await eventually(() => server.stats().grants === 0, 10_000 * SLOW, "the release");
     }));
 
   it("#3 lending: the borrower's lease always ends before the owner revokes (writes until the deadline: done or LEASE_EXPIRED, never REMOTE_ACCESS)", () =>
