@@ -5,10 +5,11 @@ import { RdmaError, checkInt } from "../errors.js";
 import { Access, type DeviceAttr } from "../transport/types.js";
 import type { ProviderChoice } from "../transport/providers.js";
 import type { PollingMode } from "../agent/connection.js";
-import { Context } from "./context.js";
-import { Rdma, dialWith, parseAddr, signalOf } from "./rdma.js";
+import { type Rdma, parseAddr, signalOf } from "./rdma.js";
 import { RdmaListener } from "./listener.js";
-import { bindCm, dialCm, type ConnectionManager } from "./rdmacm.js";
+import type { ConnectionManager, Establisher } from "./establish.js";
+import { sideChannel } from "./sidechannel.js";
+import { rdmaCmEstablisher } from "./rdmacm.js";
 
 export interface ResolvedSettings {
   provider: ProviderChoice;
@@ -41,6 +42,8 @@ export interface ResolvedSettings {
   closeTimeoutMs: number;
   keepaliveMs: number;
   maxMessageSize: number;
+  /** Connections a listener sets up at once (holding a QP, before the client's ready). */
+  maxHandshakes: number;
   /** How connections are established: the TCP side channel, or RDMA CM (verbs only; rdmacm.ts). */
   cm: ConnectionManager;
 }
@@ -82,6 +85,7 @@ const DEFAULTS: ResolvedSettings = {
   closeTimeoutMs: 2_000,
   keepaliveMs: 2_000,
   maxMessageSize: 64 << 20,
+  maxHandshakes: 256,
   cm: "tcp",
 };
 
@@ -249,6 +253,17 @@ export class RdmaBuilder {
     this.s.cm = cm;
     return this;
   }
+  /**
+   * Connections a listener sets up at once (default 256): a client whose
+   * valid hello arrives while that many hold resources (a QP and its receive
+   * buffers, until the client confirms or the connect timeout ends them) is
+   * refused with CONNECTION_REFUSED "the server is busy". Sockets that have
+   * not sent their hello yet are bounded at 16× this.
+   */
+  setMaxHandshakes(n: number): this {
+    this.s.maxHandshakes = checkInt("maxHandshakes", n, 1, 1 << 16);
+    return this;
+  }
   setConnectTimeout(ms: number): this {
     this.s.connectTimeoutMs = checkInt("connectTimeout", ms, 1, 2 ** 31);
     return this;
@@ -272,36 +287,22 @@ export class RdmaBuilder {
     return s;
   }
 
-  private async context(): Promise<{ ctx: Context; s: ResolvedSettings }> {
-    const ctx = await Context.open(this.s.provider, this.s.device);
-    try {
-      return { ctx, s: this.resolve(ctx.device.attr) };
-    } catch (e) {
-      ctx.release();
-      throw e;
-    }
+  private establisher(): Establisher {
+    return this.s.cm === "rdmacm" ? rdmaCmEstablisher : sideChannel;
   }
 
   /** Connects to a server (listen or bind) at "host:port". */
   async connect(addr: string | { host: string; port: number }, opts?: { signal?: AbortSignal }): Promise<Rdma> {
     const a = parseAddr(addr);
     const signal = signalOf(opts, "connect");
-    if (this.s.cm === "rdmacm") return dialCm({ ...this.s }, (attr) => this.resolve(attr), a, signal);
-    const { ctx, s } = await this.context();
-    return dialWith(ctx, s, a, signal);
+    return this.establisher().dial({ ...this.s }, (attr) => this.resolve(attr), a, signal);
   }
 
   /** A listener that accepts any number of connections (`for await (const rdma of listener)`). */
   async bind(addr: string | { host: string; port: number }): Promise<RdmaListener> {
     const a = parseAddr(addr);
-    if (this.s.cm === "rdmacm") return RdmaListener.fromSource({ ...this.s }, (sink) => bindCm({ ...this.s }, (attr) => this.resolve(attr), a, sink));
-    const { ctx, s } = await this.context();
-    try {
-      return await RdmaListener.open(ctx, s, a);
-    } catch (e) {
-      ctx.release();
-      throw e;
-    }
+    const e = this.establisher();
+    return RdmaListener.fromSource((sink) => e.bind({ ...this.s }, (attr) => this.resolve(attr), a, sink));
   }
 
   /** async-rdma's one-shot form: waits for one client, then stops listening. */

@@ -22,6 +22,8 @@ export interface Hello {
   eagerMax: number;
   /** Largest message the side accepts (absent from older peers). */
   maxMessageSize?: number;
+  /** READs and atomics the side accepts in flight as responder (absent from older peers). */
+  maxRdAtomic?: number;
 }
 
 /** Reads JSON lines from a socket, one at a time, with a deadline. */
@@ -146,6 +148,7 @@ export function parseHello(v: Record<string, unknown>, expectProvider: ProviderN
     recvDepth: int(v.recvDepth, "recvDepth", 8, 65536),
     eagerMax: int(v.eagerMax, "eagerMax", 0, 1 << 20),
     ...(v.maxMessageSize === undefined ? {} : { maxMessageSize: int(v.maxMessageSize, "maxMessageSize", 1, 2 ** 31) }),
+    ...(v.maxRdAtomic === undefined ? {} : { maxRdAtomic: int(v.maxRdAtomic, "maxRdAtomic", 1, 255) }),
   };
 }
 

@@ -1,15 +1,13 @@
 /**
  * Rdma: one connection, with every data operation of async-rdma.
  */
-import net from "node:net";
 import { RdmaError, checkInt } from "../errors.js";
-import { Access, WrOpcode, type QpConnectAttr } from "../transport/types.js";
-import { Connection, type ConnectionOptions } from "../agent/connection.js";
+import { Access, WrOpcode } from "../transport/types.js";
+import type { Connection } from "../agent/connection.js";
 import { LocalMemory, LocalMr, RemoteLease, RemoteMr } from "../memory/mr.js";
-import { Context } from "./context.js";
-import { LineReader, PROTOCOL_VERSION, parseAddr, parseHello, peerEndpoint, sendLine } from "./handshake.js";
+import type { Context } from "./context.js";
+import { parseAddr } from "./handshake.js";
 import type { ResolvedSettings } from "./builder.js";
-import { dialCm } from "./rdmacm.js";
 
 export interface OpOptions {
   signal?: AbortSignal;
@@ -72,16 +70,20 @@ export class Rdma {
   /** @internal */ readonly conn: Connection;
   /** @internal */ readonly ctx: Context;
   /** @internal */ readonly settings: ResolvedSettings;
-  private readonly remoteAddr: { host: string; port: number } | null;
+  private readonly redial: ((ctx: Context) => Promise<Rdma>) | null;
   private readonly userMrs = new Set<LocalMemory>();
   private closePromise: Promise<void> | null = null;
 
   /** @internal */
-  constructor(conn: Connection, ctx: Context, settings: ResolvedSettings, remoteAddr: { host: string; port: number } | null) {
+  /**
+   * @internal `redial` (client side only) establishes a sibling on a retained
+   * context the way this connection was established (side channel or RDMA CM).
+   */
+  constructor(conn: Connection, ctx: Context, settings: ResolvedSettings, client: { addr: { host: string; port: number }; redial: (ctx: Context) => Promise<Rdma> } | null) {
     this.conn = conn;
     this.ctx = ctx;
     this.settings = settings;
-    this.remoteAddr = remoteAddr;
+    this.redial = client?.redial ?? null;
   }
 
   /**
@@ -235,9 +237,8 @@ export class Rdma {
    */
   async newConnection(): Promise<Rdma> {
     this.conn.checkOpen("newConnection");
-    if (!this.remoteAddr) throw new RdmaError("INVALID_STATE", "newConnection() needs a client-side Rdma (from connect); on a server, accept more connections from its listener");
-    if (this.settings.cm === "rdmacm") return dialCm(this.settings, () => this.settings, this.remoteAddr, undefined, this.ctx.retain());
-    return dialWith(this.ctx.retain(), this.settings, this.remoteAddr);
+    if (!this.redial) throw new RdmaError("INVALID_STATE", "newConnection() needs a client-side Rdma (from connect); on a server, accept more connections from its listener");
+    return this.redial(this.ctx.retain());
   }
 
   /** Internal counters (credits, outstanding work, grants, quota use). */
@@ -280,134 +281,6 @@ export class Rdma {
     this.onReleased = null;
     f?.();
   }
-}
-
-/** Creates CQ, QP and agent on `ctx`; the QP is in INIT with receives posted. */
-export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDepth: number; eagerMax: number }, holder: { rdma: Rdma | null }): Connection {
-  const dev = ctx.device;
-  const cq = dev.createCq(s.cqSize);
-  let qp;
-  try {
-    qp = ctx.pd.createQp({ sendCq: cq, recvCq: cq, maxSendWr: s.maxSendWr, maxRecvWr: s.maxRecvWr, maxSendSge: 2, maxRecvSge: 1, maxInlineData: s.maxInlineData, portNum: s.port, access: s.qpAccess });
-  } catch (e) {
-    cq.destroy();
-    throw e;
-  }
-  const opts: ConnectionOptions = {
-    recvDepth: s.recvDepth,
-    eagerMax: s.eagerMax,
-    sendDepth: s.maxSendWr,
-    quotaBytes: s.quotaBytes,
-    maxRegions: s.maxRegions,
-    leaseGraceMs: s.leaseGraceMs,
-    peerTimeoutMs: s.peerTimeoutMs,
-    rendezvousTimeoutMs: s.rendezvousTimeoutMs,
-    defaultLeaseMs: s.defaultLeaseMs,
-    maxLeaseMs: s.maxLeaseMs,
-    polling: s.polling,
-    spinUs: s.spinUs,
-    maxInline: qp.caps.maxInlineData,
-    keepaliveMs: s.keepaliveMs,
-    maxMessageSize: s.maxMessageSize,
-  };
-  const conn = new Connection(qp, cq, ctx.pool, opts, peer, () => holder.rdma?.releaseResources());
-  try {
-    conn.postInitialReceives();
-  } catch (e) {
-    abandon(conn, null);
-    throw e;
-  }
-  return conn;
-}
-
-/**
- * Frees everything a connection set up before it was handed out (every
- * failed setup path: listener, dialWith, newConnection, both RDMA CM paths):
- * the QP and CQ first (the device stops using the posted buffers), then the
- * agent's own buffers, then the context — for a listener's connection its
- * own fork, whose release frees the pool (receive buffers included) and the
- * PD. A context shared with siblings (newConnection) outlives the call, so
- * the receive buffers posted from its pool are released through the agent's
- * abandon(). Safe to call with nulls and more than once per
- * object.
- */
-export function abandon(conn: Connection | null, ctx: Context | null): void {
-  if (conn) {
-    try {
-      conn.qp.destroy();
-    } catch {
-      /* already destroyed */
-    }
-    try {
-      conn.cq.destroy();
-    } catch {
-      /* already destroyed */
-    }
-    // The agent's receive and control buffers (from a pool that may be shared with siblings).
-    conn.abandon(new RdmaError("CONNECTION_CLOSED", "the connection was abandoned during setup"));
-  }
-  ctx?.release();
-}
-
-export function connectAttr(s: ResolvedSettings): QpConnectAttr {
-  return { portNum: s.port, gidIndex: s.gidIndex, mtu: s.mtu, timeout: s.ackTimeout, retryCnt: s.retryCount, rnrRetry: s.rnrRetry, minRnrTimer: s.minRnrTimer, maxRdAtomic: s.maxRdAtomic, maxDestRdAtomic: s.maxRdAtomic };
-}
-
-/** Client side of the handshake on an existing context. */
-export async function dialWith(ctx: Context, s: ResolvedSettings, addr: { host: string; port: number }, signal?: AbortSignal): Promise<Rdma> {
-  let sock: net.Socket | null = null;
-  let conn: Connection | null = null;
-  const holder: { rdma: Rdma | null } = { rdma: null };
-  let timer: NodeJS.Timeout | null = null;
-  const onAbort = (): void => {
-    sock?.destroy(new Error("aborted"));
-  };
-  try {
-    if (signal?.aborted) throw new RdmaError("ABORTED", "connect aborted");
-    signal?.addEventListener("abort", onAbort, { once: true });
-    sock = net.connect({ host: addr.host, port: addr.port, noDelay: true });
-    const s0 = sock;
-    timer = setTimeout(() => s0.destroy(new Error("timeout")), s.connectTimeoutMs);
-    await new Promise<void>((resolve, reject) => {
-      s0.once("connect", resolve);
-      s0.once("error", (e: NodeJS.ErrnoException) => {
-        if (signal?.aborted) reject(new RdmaError("ABORTED", "connect aborted"));
-        else if (e.message === "timeout") reject(new RdmaError("TIMEOUT", `connect to ${addr.host}:${addr.port} timed out after ${s.connectTimeoutMs} ms`));
-        else if (e.code === "ECONNREFUSED") reject(new RdmaError("CONNECTION_REFUSED", `connection to ${addr.host}:${addr.port} refused: is the server listening?`, { errno: e.code, cause: e }));
-        else reject(new RdmaError("CONNECTION_REFUSED", `cannot reach ${addr.host}:${addr.port}: ${e.message}`, { errno: e.code ?? "EIO", cause: e }));
-      });
-    });
-    const reader = new LineReader(sock);
-    conn = makeConnection(ctx, s, { recvDepth: 0, eagerMax: 0 }, holder);
-    sendLine(sock, { asyncRdma: PROTOCOL_VERSION, provider: ctx.provider.name, endpoint: conn.qp.localEndpoint({ portNum: s.port, gidIndex: s.gidIndex }), recvDepth: s.recvDepth, eagerMax: s.eagerMax, maxMessageSize: s.maxMessageSize });
-    const reply = parseHello(await reader.nextJson().catch(rethrowTimeout(s, addr)), ctx.provider.name);
-    const endpoint = peerEndpoint(reply.endpoint, sock);
-    conn.setPeer({ recvDepth: reply.recvDepth, eagerMax: reply.eagerMax, ...(reply.maxMessageSize === undefined ? {} : { maxMessageSize: reply.maxMessageSize }) });
-    conn.qp.connect(endpoint, connectAttr(s));
-    sendLine(sock, { ready: true });
-    sock.end();
-    conn.start();
-    const rdma = new Rdma(conn, ctx, s, addr);
-    holder.rdma = rdma;
-    return rdma;
-  } catch (e) {
-    sock?.destroy();
-    abandon(conn, ctx);
-    if (signal?.aborted && !(e instanceof RdmaError && e.code === "ABORTED")) throw new RdmaError("ABORTED", `connect to ${addr.host}:${addr.port} aborted`, { cause: e });
-    throw e;
-  } finally {
-    if (timer) clearTimeout(timer);
-    signal?.removeEventListener("abort", onAbort);
-  }
-}
-
-function rethrowTimeout(s: ResolvedSettings, addr: { host: string; port: number }) {
-  return (e: unknown): never => {
-    if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED" && (e.cause as Error | undefined)?.message === "timeout") {
-      throw new RdmaError("TIMEOUT", `handshake with ${addr.host}:${addr.port} timed out after ${s.connectTimeoutMs} ms`);
-    }
-    throw e;
-  };
 }
 
 export { parseAddr };

@@ -27,19 +27,15 @@
 import { isIP } from "node:net";
 import { lookup } from "node:dns/promises";
 import { RdmaError } from "../errors.js";
-import type { DeviceAttr } from "../transport/types.js";
+import { CmEventType as T, type CmEvent, type CmId, type DeviceAttr, type RdmaCm } from "../transport/types.js";
 import { loadProvider, type ProviderChoice } from "../transport/providers.js";
-import type { CmEvent, CmId } from "../transport/verbs/cm.js";
 import type { Connection } from "../agent/connection.js";
 import type { ResolvedSettings } from "./builder.js";
 import { Context } from "./context.js";
 import { PROTOCOL_VERSION } from "./handshake.js";
-import { Rdma, abandon, connectAttr, makeConnection } from "./rdma.js";
-import type { ListenerSink, ListenerSource } from "./listener.js";
-
-export type ConnectionManager = "tcp" | "rdmacm";
-
-type CmModule = typeof import("../transport/verbs/cm.js");
+import { Rdma } from "./rdma.js";
+import { abandon, connectAttr, makeConnection } from "./setup.js";
+import type { Establisher, ListenerSink, ListenerSource } from "./establish.js";
 
 const MAGIC = 0x6152444d; // "aRDM"
 const KIND_CONNECT = 1;
@@ -114,15 +110,14 @@ export function decodeReject(pd: Uint8Array | null): { code: number; reason: str
   return { code: v.getUint8(6), reason: new TextDecoder("utf-8", { fatal: false }).decode(pd.subarray(8, 8 + n)) };
 }
 
-async function loadCm(choice: ProviderChoice): Promise<CmModule> {
+async function loadCm(choice: ProviderChoice): Promise<RdmaCm> {
   const tcpMsg =
     'setConnectionManager("rdmacm") needs the verbs provider: RDMA CM establishes connections between RDMA devices. The tcp provider connects through the TCP side channel: use setConnectionManager("tcp") (the default) with it';
   if (choice === "tcp") throw new RdmaError("INVALID_ARGUMENT", tcpMsg);
   const provider = await loadProvider(choice);
   if (provider.name !== "verbs") throw new RdmaError("INVALID_ARGUMENT", `${tcpMsg} (provider "auto" chose tcp: no RDMA device with an active port here)`);
-  const mod = (await import("../transport/verbs/cm.js")) as CmModule;
-  mod.cmAddon();
-  return mod;
+  if (!provider.rdmaCm) throw new RdmaError("PROVIDER_UNAVAILABLE", `the ${provider.name} provider has no RDMA CM`);
+  return provider.rdmaCm();
 }
 
 async function resolveHost(host: string, forBind: boolean): Promise<string> {
@@ -154,8 +149,7 @@ function connectQp(conn: Connection, id: CmId, peerQpn: number, peerPsn: number,
 }
 
 /** After establishment: DISCONNECTED fails the connection; its release disconnects and destroys the id. */
-function attach(rdma: Rdma, conn: Connection, id: CmId, mod: CmModule): void {
-  const T = mod.CmEventType;
+function attach(rdma: Rdma, conn: Connection, id: CmId): void {
   id.onEvent = (e: CmEvent) => {
     if (e.type === T.DISCONNECTED) conn.fail(new RdmaError("CONNECTION_CLOSED", "the peer disconnected (RDMA CM DISCONNECTED)"));
     else if (e.type === T.DEVICE_REMOVAL) conn.fail(new RdmaError("CONNECTION_CLOSED", "the RDMA device was removed (RDMA CM DEVICE_REMOVAL)"));
@@ -166,12 +160,11 @@ function attach(rdma: Rdma, conn: Connection, id: CmId, mod: CmModule): void {
   };
 }
 
-function stepError(e: CmEvent, id: CmId, step: string, where: string, mod: CmModule): RdmaError {
-  const T = mod.CmEventType;
+function stepError(e: CmEvent, id: CmId, step: string, where: string, mod: RdmaCm): RdmaError {
   if (e.type === T.REJECTED) {
     const r = decodeReject(e.privateData);
     if (r) return new RdmaError(r.code === REJECT_PROTOCOL ? "PROTOCOL" : "CONNECTION_REFUSED", `${where} refused the connection: ${r.reason}`);
-    return new RdmaError("CONNECTION_REFUSED", `connection to ${where} refused (RDMA CM REJECTED: ${mod.cmRejectReason(e.status)})${e.status === 8 ? ": is the server listening?" : ""}`);
+    return new RdmaError("CONNECTION_REFUSED", `connection to ${where} refused (RDMA CM REJECTED: ${mod.rejectReason(e.status)})${e.status === 8 ? ": is the server listening?" : ""}`);
   }
   const st = e.status < 0 ? id.errnoName(-e.status) : String(e.status);
   return new RdmaError("CONNECTION_REFUSED", `cannot reach ${where}: ${step} failed (RDMA CM ${e.name}, status ${st})`, e.status < 0 ? { errno: st } : {});
@@ -191,7 +184,7 @@ function step(where: string, what: string, fn: () => void): void {
 /** @internal The CM id of an RDMA CM connection (tests use it to disconnect without the library's CLOSE). */
 export const cmIdOf = new WeakMap<Rdma, CmId>();
 
-async function expect(id: CmId, type: number, step: string, where: string, timeoutMs: number, signal: AbortSignal | undefined, mod: CmModule): Promise<CmEvent> {
+async function expect(id: CmId, type: number, step: string, where: string, timeoutMs: number, signal: AbortSignal | undefined, mod: RdmaCm): Promise<CmEvent> {
   let e: CmEvent;
   try {
     e = await id.next(`${step} for ${where}`, timeoutMs, signal);
@@ -210,7 +203,7 @@ async function expect(id: CmId, type: number, step: string, where: string, timeo
  * Client side: dials `addr` through RDMA CM. `ctx`, when given, is an existing
  * (retained) context (newConnection); failure releases it, as dialWith does.
  */
-export async function dialCm(
+async function dialCm(
   base: ResolvedSettings,
   resolve: (attr: DeviceAttr) => ResolvedSettings,
   addr: { host: string; port: number },
@@ -230,7 +223,6 @@ export async function dialCm(
     const t0 = performance.now();
     const mod = await loadCm(existing ? "verbs" : base.provider);
     deadline += performance.now() - t0;
-    const T = mod.CmEventType;
     const dst = await resolveHost(addr.host, false);
     // The deadline bounds the network steps, as the side channel's does: local setup (opening a device) does not count.
     const local = async <T>(f: () => Promise<T>): Promise<T> => {
@@ -246,7 +238,7 @@ export async function dialCm(
     // No source address: the routing table picks the device (with one bound,
     // rxe resolves even unroutable destinations and the connect then times out).
     const src = null;
-    id = mod.CmId.create();
+    id = mod.createId();
     const cmId = id;
     step(where, "address resolution (rdma_resolve_addr)", () => cmId.resolveAddr(src, dst, addr.port, left()));
     await expect(id, T.ADDR_RESOLVED, "address resolution (rdma_resolve_addr)", where, left(), signal, mod);
@@ -270,9 +262,9 @@ export async function dialCm(
     connectQp(conn, id, ev.conn?.qpNum ?? 0, peer.psn, s);
     id.establish();
     conn.start();
-    const rdma = new Rdma(conn, ctx, s, addr);
+    const rdma = new Rdma(conn, ctx, s, { addr, redial: (again) => dialCm(s, () => s, addr, undefined, again) });
     holder.rdma = rdma;
-    attach(rdma, conn, id, mod);
+    attach(rdma, conn, id);
     cmIdOf.set(rdma, id);
     return rdma;
   } catch (e) {
@@ -300,14 +292,13 @@ export async function dialCm(
  * pool), as on the side channel. The hello is decoded and checked before
  * anything is allocated; every failure goes through abandon().
  */
-export async function bindCm(
+async function bindCm(
   base: ResolvedSettings,
   resolve: (attr: DeviceAttr) => ResolvedSettings,
   addr: { host: string; port: number },
   sink: ListenerSink,
 ): Promise<ListenerSource> {
   const mod = await loadCm(base.provider);
-  const T = mod.CmEventType;
   const host = await resolveHost(addr.host, true);
   const contexts = new Map<string, Promise<{ ctx: Context; s: ResolvedSettings }>>();
   const contextFor = (name: string, port: number): Promise<{ ctx: Context; s: ResolvedSettings }> => {
@@ -335,7 +326,7 @@ export async function bindCm(
     contexts.clear();
     for (const r of await Promise.allSettled(all)) if (r.status === "fulfilled") r.value.ctx.release();
   };
-  const id = mod.CmId.create();
+  const id = mod.createId();
   let info;
   try {
     try {
@@ -385,7 +376,7 @@ export async function bindCm(
       conn.start();
       const rdma = new Rdma(conn, ctx, s, null);
       holder.rdma = rdma;
-      attach(rdma, conn, child, mod);
+      attach(rdma, conn, child);
       cmIdOf.set(rdma, child);
       pending.delete(child);
       conn = null;
@@ -411,9 +402,10 @@ export async function bindCm(
 
   id.onEvent = (e: CmEvent) => {
     if (e.type === T.CONNECT_REQUEST && e.child) {
-      if (closed) {
+      if (closed || pending.size >= base.maxHandshakes) {
+        const why = closed ? "the listener is closed" : `the server is busy: ${pending.size} connections are being set up (its limit); retry later`;
         try {
-          e.child.reject(encodeReject(REJECT_REFUSED, "the listener is closed"));
+          e.child.reject(encodeReject(REJECT_REFUSED, why));
         } catch {
           /* gone */
         }
@@ -429,6 +421,7 @@ export async function bindCm(
   const local = { host: info.localAddr || addr.host, port: info.localPort };
   return {
     address: () => local,
+    handshakes: () => pending.size,
     close: async () => {
       if (closed) return;
       closed = true;
@@ -438,3 +431,5 @@ export async function bindCm(
     },
   };
 }
+
+export const rdmaCmEstablisher: Establisher = { name: "rdmacm", dial: dialCm, bind: bindCm };

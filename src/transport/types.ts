@@ -454,4 +454,137 @@ export interface Provider {
   listDevices(): DeviceInfo[];
   /** Opens a device by name, or the first one. */
   openDevice(name?: string, options?: TcpDeviceOptions): Promise<Device>;
+  /**
+   * RDMA CM (librdmacm) when the provider has it (verbs); throws
+   * PROVIDER_UNAVAILABLE with the reason when it cannot be loaded.
+   */
+  readonly rdmaCm?: () => RdmaCm;
+}
+
+// ---------------------------------------------------------------------------
+// RDMA CM: connection management between RDMA devices (rdma_cm(7)), the
+// alternative to the TCP side channel. Only the verbs provider has it.
+
+/** enum rdma_cm_event_type */
+export const CmEventType = {
+  ADDR_RESOLVED: 0,
+  ADDR_ERROR: 1,
+  ROUTE_RESOLVED: 2,
+  ROUTE_ERROR: 3,
+  CONNECT_REQUEST: 4,
+  CONNECT_RESPONSE: 5,
+  CONNECT_ERROR: 6,
+  UNREACHABLE: 7,
+  REJECTED: 8,
+  ESTABLISHED: 9,
+  DISCONNECTED: 10,
+  DEVICE_REMOVAL: 11,
+  MULTICAST_JOIN: 12,
+  MULTICAST_ERROR: 13,
+  ADDR_CHANGE: 14,
+  TIMEWAIT_EXIT: 15,
+} as const;
+
+/** struct rdma_conn_param as an event carries it. */
+export interface CmConnParam {
+  qpNum: number;
+  responderResources: number;
+  initiatorDepth: number;
+  retryCount: number;
+  rnrRetryCount: number;
+  srq: number;
+}
+
+/** What an id is bound or resolved to. */
+export interface CmInfo {
+  /** The RDMA device the id is bound/resolved to (null before that). */
+  deviceName: string | null;
+  deviceGuid: string | null;
+  portNum: number;
+  localAddr: string;
+  localPort: number;
+  peerAddr: string;
+  peerPort: number;
+}
+
+/** rdma_init_qp_attr's answer: the path and the peer's parameters for a QP transition. */
+export interface CmQpAttr {
+  mask: number;
+  portNum: number;
+  qpAccessFlags: number;
+  pkeyIndex: number;
+  /** bytes (0: not given) */
+  pathMtu: number;
+  destQpNum: number;
+  rqPsn: number;
+  sqPsn: number;
+  maxDestRdAtomic: number;
+  maxRdAtomic: number;
+  minRnrTimer: number;
+  timeout: number;
+  retryCnt: number;
+  rnrRetry: number;
+  isGlobal: number;
+  dlid: number;
+  sl: number;
+  /** ipv6 text form */
+  dgid: string;
+  sgidIndex: number;
+  hopLimit: number;
+  trafficClass: number;
+}
+
+export interface CmEvent {
+  type: number;
+  /** "CONNECT_REQUEST", … */
+  name: string;
+  /** 0, a negative errno, or (REJECTED) the IB CM reject reason. */
+  status: number;
+  privateData: Uint8Array | null;
+  conn: CmConnParam | null;
+  /** CONNECT_REQUEST: the new id of the incoming connection. */
+  child: CmId | null;
+}
+
+/** Read/atomic depths and retries carried by connect and accept. */
+export interface CmConnectParams {
+  responderResources: number;
+  initiatorDepth: number;
+  retryCount: number;
+  rnrRetryCount: number;
+}
+
+/**
+ * One rdma_cm_id, user-managed QP model: the CM never creates a QP; the
+ * caller creates its own on the device {@link CmId.info} names, passes its
+ * number to connect/accept and drives INIT → RTR → RTS with
+ * {@link CmId.initQpAttr}. Events go to `onEvent` when set, else queue for
+ * {@link CmId.next}.
+ */
+export interface CmId {
+  onEvent: ((e: CmEvent) => void) | null;
+  readonly isDestroyed: boolean;
+  /** The next event, or TIMEOUT / ABORTED when the deadline passes or the signal aborts first. */
+  next(what: string, timeoutMs: number, signal?: AbortSignal): Promise<CmEvent>;
+  bind(host: string | null, port: number): void;
+  listen(backlog?: number): void;
+  resolveAddr(src: string | null, dst: string, port: number, timeoutMs: number): void;
+  resolveRoute(timeoutMs: number): void;
+  connect(qpNum: number, privateData: Uint8Array, p: CmConnectParams): void;
+  accept(qpNum: number, privateData: Uint8Array, p: CmConnectParams): void;
+  establish(): void;
+  reject(privateData: Uint8Array | null): void;
+  /** Sends a DREQ (both sides then see DISCONNECTED); never throws. */
+  disconnect(): void;
+  info(): CmInfo;
+  initQpAttr(state: 1 | 2 | 3): CmQpAttr;
+  /** rdma_destroy_id; idempotent. Queued children are destroyed too. */
+  destroy(): void;
+  errnoName(n: number): string;
+}
+
+export interface RdmaCm {
+  createId(): CmId;
+  /** The IB CM reject reason for a REJECTED event's status, in words. */
+  rejectReason(status: number): string;
 }

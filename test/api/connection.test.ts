@@ -183,4 +183,19 @@ describe(`API connections [${PROVIDER}, ${CM}]`, () => {
     }
     await assert.rejects(builder().connect(at(port)), code("CONNECTION_REFUSED"));
   });
+
+  it("READs and atomics in flight never exceed what the peer accepts (maxRdAtomic differs on each side)", async () => {
+    const p = await apiPair({ server: (b) => b.setMaxRdAtomic(1) });
+    try {
+      const rmr = await p.client.requestRemoteMr(64 * 32);
+      using lmr = p.client.allocLocalMr(64 * 32);
+      // 32 reads at once: the client's QP may have only 1 outstanding (the server's responder resources)
+      await Promise.all(Array.from({ length: 32 }, (_, i) => p.client.read(lmr.slice(i * 64, i * 64 + 64), rmr.slice(i * 64, i * 64 + 64))));
+      await Promise.all(Array.from({ length: 16 }, () => p.client.fetchAndAdd(rmr.slice(0, 8), 1n)));
+      assert.equal(p.client.closed, false);
+      assert.equal(p.server.closed, false);
+    } finally {
+      await p.close();
+    }
+  });
 });

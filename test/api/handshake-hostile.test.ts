@@ -436,5 +436,30 @@ describe(`side channel against hostile clients [${PROVIDER}]`, { skip: CM !== "t
       }
     });
   });
-});
 
+  describe("connections being set up are bounded per listener (setMaxHandshakes)", () => {
+    it("past the bound a valid hello is refused as busy, before anything is allocated; a slot that frees serves the next client", async () => {
+      const small = await builder("server").setConnectTimeout(60_000).setMaxHandshakes(2).bind(at(0));
+      const squatters: Raw[] = [];
+      try {
+        // two clients that send a valid hello and then never confirm: each holds a QP on the server
+        for (let i = 0; i < 2; i++) {
+          const r = await Raw.open(small.port);
+          squatters.push(r);
+          r.write(helloLine(validEndpoint));
+          const answer = await r.line();
+          assert.ok(answer !== null && (JSON.parse(answer) as { endpoint?: unknown }).endpoint, "the first two get an endpoint");
+        }
+        const before = counts();
+        await assert.rejects(builder("client").connect(at(small.port)), (e: unknown) => code("CONNECTION_REFUSED")(e) && /busy/.test((e as Error).message));
+        assert.deepEqual(counts(), before, "the refused client cost the server nothing");
+        squatters.shift()!.destroy();
+        await eventually(() => small.stats().handshakes <= 1, 60_000, "the abandoned handshake to end");
+        await legit(small, 91);
+      } finally {
+        for (const r of squatters) r.destroy();
+        await small.close();
+      }
+    });
+  });
+});

@@ -18,6 +18,7 @@ import { dirname, join } from "node:path";
 import { RdmaBuilder, RdmaError } from "../../src/index.js";
 import { cmIdOf, decodeHello, decodeReject, encodeHello, encodeReject } from "../../src/api/rdmacm.js";
 import { PROTOCOL_VERSION } from "../../src/api/handshake.js";
+import type { CmId } from "../../src/transport/types.js";
 import { CM, HOST, PROVIDER, apiPair, at, builder } from "../support/api.js";
 import { SLOW } from "../support/seam.js";
 
@@ -90,9 +91,9 @@ describe(`RDMA CM connections [${PROVIDER}, ${CM}]`, { skip: SKIP }, () => {
   });
 
   /** A raw RDMA CM listener on HOST that answers every request with `answer`. */
-  async function rawListener(answer: (child: InstanceType<CmModule["CmId"]>) => void): Promise<{ port: number; children: InstanceType<CmModule["CmId"]>[]; close(): void }> {
+  async function rawListener(answer: (child: CmId) => void): Promise<{ port: number; children: CmId[]; close(): void }> {
     const id = cm.CmId.create();
-    const children: InstanceType<CmModule["CmId"]>[] = [];
+    const children: CmId[] = [];
     id.bind(HOST, 0);
     id.listen(8);
     id.onEvent = (e) => {

@@ -14,49 +14,17 @@
  */
 import { RdmaError } from "../../errors.js";
 import { nativeError } from "./device.js";
-import { loadCmAddon, type CmIdHandle, type NativeCmAddon, type NativeCmConnParam, type NativeCmInfo, type NativeCmQpAttr } from "./native.js";
+import { loadCmAddon, type CmIdHandle, type NativeCmAddon, type NativeCmConnParam } from "./native.js";
+import { CmEventType, type CmConnParam, type CmConnectParams, type CmEvent, type CmId as SeamCmId, type CmInfo, type CmQpAttr, type RdmaCm } from "../types.js";
 
-/** enum rdma_cm_event_type */
-export const CmEventType = {
-  ADDR_RESOLVED: 0,
-  ADDR_ERROR: 1,
-  ROUTE_RESOLVED: 2,
-  ROUTE_ERROR: 3,
-  CONNECT_REQUEST: 4,
-  CONNECT_RESPONSE: 5,
-  CONNECT_ERROR: 6,
-  UNREACHABLE: 7,
-  REJECTED: 8,
-  ESTABLISHED: 9,
-  DISCONNECTED: 10,
-  DEVICE_REMOVAL: 11,
-  MULTICAST_JOIN: 12,
-  MULTICAST_ERROR: 13,
-  ADDR_CHANGE: 14,
-  TIMEWAIT_EXIT: 15,
-} as const;
-
+export { CmEventType };
 const eventNames: string[] = [];
 for (const [k, v] of Object.entries(CmEventType)) eventNames[v] = k;
 export function cmEventName(t: number): string {
   return eventNames[t] ?? `EVENT_${t}`;
 }
 
-export type CmConnParam = NativeCmConnParam;
-export type CmQpAttr = NativeCmQpAttr;
-export type CmInfo = NativeCmInfo;
-
-export interface CmEvent {
-  type: number;
-  /** "CONNECT_REQUEST", … */
-  name: string;
-  /** 0, a negative errno, or (REJECTED) the IB CM reject reason. */
-  status: number;
-  privateData: Uint8Array | null;
-  conn: CmConnParam | null;
-  /** CONNECT_REQUEST: the new id of the incoming connection. */
-  child: CmId | null;
-}
+export type { CmConnParam, CmQpAttr, CmInfo, CmEvent };
 
 /** IB CM reject reasons that a connect can meet (IBTA 12.6.7.2). */
 const REJECT_REASONS: Record<number, string> = {
@@ -120,7 +88,7 @@ function call<T>(what: string, fn: () => T): T {
   }
 }
 
-export class CmId {
+export class CmId implements SeamCmId {
   /** Handler for events once the id is in use (e.g. DISCONNECTED); null: events queue for {@link next}. */
   onEvent: ((e: CmEvent) => void) | null = null;
   private readonly queue: CmEvent[] = [];
@@ -225,11 +193,11 @@ export class CmId {
     call("rdma_resolve_route", () => this.a.resolveRoute(this.handle, timeoutMs));
   }
 
-  connect(qpNum: number, privateData: Uint8Array, p: { responderResources: number; initiatorDepth: number; retryCount: number; rnrRetryCount: number }): void {
+  connect(qpNum: number, privateData: Uint8Array, p: CmConnectParams): void {
     call("rdma_connect", () => this.a.connect(this.handle, qpNum, privateData, p.responderResources, p.initiatorDepth, p.retryCount, p.rnrRetryCount));
   }
 
-  accept(qpNum: number, privateData: Uint8Array, p: { responderResources: number; initiatorDepth: number; retryCount: number; rnrRetryCount: number }): void {
+  accept(qpNum: number, privateData: Uint8Array, p: CmConnectParams): void {
     call("rdma_accept", () => this.a.accept(this.handle, qpNum, privateData, p.responderResources, p.initiatorDepth, p.retryCount, p.rnrRetryCount));
   }
 
@@ -285,4 +253,10 @@ export class CmId {
       return `errno ${n}`;
     }
   }
+}
+
+/** The provider's RDMA CM (Provider.rdmaCm): loads librdmacm's addon on first use. */
+export function rdmaCm(): RdmaCm {
+  cmAddon();
+  return { createId: () => CmId.create(), rejectReason: cmRejectReason };
 }

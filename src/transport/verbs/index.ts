@@ -7,6 +7,7 @@ import type { Device, DeviceInfo, Provider } from "../types.js";
 import { checkLayout } from "./codec.js";
 import { VerbsDevice, nativeError } from "./device.js";
 import { loadAddon, type NativeAddon } from "./native.js";
+import { rdmaCm } from "./cm.js";
 
 export { VerbsDevice } from "./device.js";
 
@@ -25,6 +26,7 @@ export function loadVerbsProvider(): Provider {
 function makeProvider(addon: NativeAddon): Provider {
   return {
     name: "verbs",
+    rdmaCm,
     listDevices(): DeviceInfo[] {
       try {
         return addon.listDevices().map((d) => ({ name: d.name, provider: "verbs" as const, guid: d.guid }));

@@ -1,0 +1,101 @@
+/**
+ * What every way of establishing a connection shares (the TCP side channel,
+ * sidechannel.ts, and RDMA CM, rdmacm.ts): creating the QP, CQ and agent, the
+ * QP's connect attributes, and abandon() for every failed setup path.
+ */
+import { RdmaError } from "../errors.js";
+import type { QpConnectAttr } from "../transport/types.js";
+import { Connection, type ConnectionOptions } from "../agent/connection.js";
+import type { Context } from "./context.js";
+import type { ResolvedSettings } from "./builder.js";
+import type { Rdma } from "./rdma.js";
+
+/** Creates CQ, QP and agent on `ctx`; the QP is in INIT with receives posted. */
+export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDepth: number; eagerMax: number }, holder: { rdma: Rdma | null }): Connection {
+  const dev = ctx.device;
+  const cq = dev.createCq(s.cqSize);
+  let qp;
+  try {
+    qp = ctx.pd.createQp({ sendCq: cq, recvCq: cq, maxSendWr: s.maxSendWr, maxRecvWr: s.maxRecvWr, maxSendSge: 2, maxRecvSge: 1, maxInlineData: s.maxInlineData, portNum: s.port, access: s.qpAccess });
+  } catch (e) {
+    cq.destroy();
+    throw e;
+  }
+  const opts: ConnectionOptions = {
+    recvDepth: s.recvDepth,
+    eagerMax: s.eagerMax,
+    sendDepth: s.maxSendWr,
+    quotaBytes: s.quotaBytes,
+    maxRegions: s.maxRegions,
+    leaseGraceMs: s.leaseGraceMs,
+    peerTimeoutMs: s.peerTimeoutMs,
+    rendezvousTimeoutMs: s.rendezvousTimeoutMs,
+    defaultLeaseMs: s.defaultLeaseMs,
+    maxLeaseMs: s.maxLeaseMs,
+    polling: s.polling,
+    spinUs: s.spinUs,
+    maxInline: qp.caps.maxInlineData,
+    keepaliveMs: s.keepaliveMs,
+    maxMessageSize: s.maxMessageSize,
+  };
+  const conn = new Connection(qp, cq, ctx.pool, opts, peer, () => holder.rdma?.releaseResources());
+  try {
+    conn.postInitialReceives();
+  } catch (e) {
+    abandon(conn, null);
+    throw e;
+  }
+  return conn;
+}
+
+/**
+ * Frees everything a connection set up before it was handed out (every
+ * failed setup path: listener, dialWith, newConnection, both RDMA CM paths):
+ * the QP and CQ first (the device stops using the posted buffers), then the
+ * agent's own buffers, then the context — for a listener's connection its
+ * own fork, whose release frees the pool (receive buffers included) and the
+ * PD. A context shared with siblings (newConnection) outlives the call, so
+ * the receive buffers posted from its pool are released through the agent's
+ * abandon(). Safe to call with nulls and more than once per
+ * object.
+ */
+export function abandon(conn: Connection | null, ctx: Context | null): void {
+  if (conn) {
+    try {
+      conn.qp.destroy();
+    } catch {
+      /* already destroyed */
+    }
+    try {
+      conn.cq.destroy();
+    } catch {
+      /* already destroyed */
+    }
+    // The agent's receive and control buffers (from a pool that may be shared with siblings).
+    conn.abandon(new RdmaError("CONNECTION_CLOSED", "the connection was abandoned during setup"));
+  }
+  ctx?.release();
+}
+
+/**
+ * The QP's RTR/RTS attributes. `peerRdAtomic` is the peer's responder
+ * resources (its maxDestRdAtomic, from its hello): this side never has more
+ * READs and atomics outstanding than the peer accepts, whatever each side was
+ * configured with. The tcp provider's liveness bound is the agent's peer
+ * timeout (one setting for "the peer stopped answering").
+ */
+export function connectAttr(s: ResolvedSettings, peerRdAtomic?: number): QpConnectAttr {
+  const initiator = peerRdAtomic === undefined ? s.maxRdAtomic : Math.min(s.maxRdAtomic, peerRdAtomic);
+  return {
+    portNum: s.port,
+    gidIndex: s.gidIndex,
+    mtu: s.mtu,
+    timeout: s.ackTimeout,
+    retryCnt: s.retryCount,
+    rnrRetry: s.rnrRetry,
+    minRnrTimer: s.minRnrTimer,
+    maxRdAtomic: initiator,
+    maxDestRdAtomic: s.maxRdAtomic,
+    livenessMs: s.peerTimeoutMs === 0 ? 2 ** 31 - 1 : s.peerTimeoutMs,
+  };
+}
