@@ -8,7 +8,9 @@
 export { RdmaBuilder, type ResolvedSettings } from "./api/builder.js";
 export { Rdma, type OpOptions } from "./api/rdma.js";
 export { RdmaListener } from "./api/listener.js";
-export { LocalMr, RemoteMr } from "./memory/mr.js";
+export { LocalMr, RemoteMr, type RemoteAccess, type RemoteOrigin } from "./memory/mr.js";
+export { SharedMr, type ShareOptions, type ShareAccess } from "./api/shared.js";
+export type { PeerLimits } from "./agent/memory-protocol.js";
 export { setPeerMemoryLimit, peerMemoryUsage } from "./memory/budget.js";
 export { RdmaError, isRdmaError, type RdmaErrorCode } from "./errors.js";
 export { Access } from "./transport/types.js";

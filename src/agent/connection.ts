@@ -32,7 +32,9 @@ import type { MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
 import { AbortWatch, AsyncQueue, abortError } from "./queue.js";
 import { HDR, MsgType, RndvStatus, decodeMsg, encodeMsg, newMsg, type Msg } from "./codec.js";
-import { MemoryProtocol, type CtrlMsg, type MemoryHost } from "./memory-protocol.js";
+import { MemoryProtocol, type CtrlMsg, type MemoryHost, type PeerLimits } from "./memory-protocol.js";
+import type { Share } from "./shares.js";
+import type { RemoteAccess } from "../memory/mr.js";
 import { Poller } from "./poller.js";
 
 import type { PollingMode } from "./poller.js";
@@ -78,6 +80,8 @@ export interface ConnectionOptions {
    * receive.
    */
   keepaliveMs: number;
+  /** Shared regions the peer may open (shares.ts), and how `allow(peer)` callbacks see the peer. */
+  shares?: { find(key: string): Share | undefined; peer(): unknown };
 }
 
 export interface PeerParams {
@@ -252,6 +256,26 @@ export class Connection implements MemoryHost {
     this.poller = new Poller(cq, opts.polling, opts.spinUs, (b, i) => this.onCompletion(b, i), () => this.afterDrain());
   }
 
+  /** MemoryHost: a shared region of this side by name key. */
+  findShare(key: string): Share | undefined {
+    return this.opts.shares?.find(key);
+  }
+
+  /** MemoryHost: the peer as allow(peer) sees it. */
+  peerInfo(): unknown {
+    return this.opts.shares?.peer() ?? null;
+  }
+
+  /** The peer's limits (quota, regions, maximum lease and message size), once its LIMITS arrived. */
+  get peerLimits(): PeerLimits | null {
+    return this.memory.peerLimits;
+  }
+
+  /** Resolves once the peer's limits are known. */
+  whenPeerLimits(timeoutMs: number): Promise<PeerLimits> {
+    return this.memory.whenLimits(timeoutMs);
+  }
+
   /** MemoryHost: the connection failed or is closing. */
   get down(): boolean {
     return this.failure !== null || this.closing;
@@ -275,6 +299,7 @@ export class Connection implements MemoryHost {
   /** Starts completion processing (after connect). */
   start(): void {
     this.poller.start();
+    this.memory.sendLimits(this.opts.maxMessageSize);
     const { keepaliveMs: k, peerTimeoutMs: t } = this.opts;
     const every = Math.min(k > 0 ? k : Infinity, t > 0 ? Math.max(10, t / 4) : Infinity);
     if (every !== Infinity) {
@@ -700,9 +725,14 @@ export class Connection implements MemoryHost {
   /** A RemoteMr granted or lent to another connection is refused here, before anything is posted. */
   private checkRemote(rmr: RemoteMr, what: string): void {
     if (rmr.lease.owner !== null && rmr.lease.owner !== this) {
-      throw new RdmaError("INVALID_ARGUMENT", `${what}: this RemoteMr was granted or lent to another connection; a region can only be used on the connection it came from`);
+      throw new RdmaError("INVALID_ARGUMENT", `${what}: this RemoteMr was granted, lent or shared to another connection; a region can only be used on the connection it came from`);
     }
     rmr.lease.check(what);
+    // The rights the owner gave (its registration enforces them too): refused before posting.
+    const need = what === "read" ? null : what === "write" || what === "writeWithImm" ? "write" : what === "fetchAndAdd" || what === "compareAndSwap" ? "atomic" : null;
+    if ((need === "write" && rmr.access === "read") || (need === "atomic" && rmr.access !== "atomic")) {
+      throw new RdmaError("REMOTE_ACCESS", `${what}: the owner gave ${rmr.access} access to this region (${rmr.access === "read" ? "read only" : "read and write, no atomics"})`);
+    }
   }
 
   /** One-sided WRITE (optionally with immediate, which consumes a peer receive and so a credit). */
@@ -831,14 +861,25 @@ export class Connection implements MemoryHost {
 
   // ------------------------------------------------------ memory protocol (memory-protocol.ts)
 
-  requestRemoteMr(size: number, leaseMs: number, timeoutMs: number | undefined, signal?: AbortSignal): Promise<RemoteMr> {
+  requestRemoteMr(size: number, leaseMs: number, timeoutMs: number | undefined, signal?: AbortSignal, access: RemoteAccess = "atomic", waitForQuota = false): Promise<RemoteMr> {
     if (!Number.isInteger(size) || size < 1 || size > 2 ** 32 - 1) throw new RdmaError("OUT_OF_RANGE", `requestRemoteMr: size ${size} is outside 1 .. 2^32 - 1`);
-    return this.memory.request(size, leaseMs, timeoutMs, signal, this);
+    return this.memory.request(size, leaseMs, timeoutMs, signal, this, access, waitForQuota);
   }
 
-  /** Lends exactly `lmr`'s bytes to the peer (read, write, atomics) until it gives them back or the lease ends. */
-  sendLocalMr(lmr: LocalMr, leaseMs: number, signal?: AbortSignal): Promise<void> {
-    return this.memory.lend(lmr, leaseMs, signal);
+  /** Lends exactly `lmr`'s bytes to the peer with `access` until it gives them back or the lease ends. */
+  sendLocalMr(lmr: LocalMr, leaseMs: number, signal?: AbortSignal, access: RemoteAccess = "atomic"): Promise<void> {
+    return this.memory.lend(lmr, leaseMs, signal, access);
+  }
+
+  /** Opens the peer's shared region `name`. */
+  openSharedMr(name: string, timeoutMs: number | undefined, signal?: AbortSignal): Promise<RemoteMr> {
+    return this.memory.open(name, timeoutMs, signal, this);
+  }
+
+  /** Asks the owner to extend a granted or lent region's lease. */
+  renew(rmr: RemoteMr, leaseMs: number, signal?: AbortSignal): Promise<void> {
+    this.checkRemote(rmr, "renew");
+    return this.memory.renew(rmr, leaseMs, signal);
   }
 
   /** Gives a remote region back to its owner, who receives it with receiveLocalMr. */
@@ -1273,7 +1314,7 @@ export class Connection implements MemoryHost {
     return this.closed;
   }
 
-  stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number } {
+  stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number; sharesOpenedByPeer: number; sharesOpened: number } {
     return { credits: this.credits, sqOutstanding: this.sqOutstanding, ...this.memory.stats(), unread: this.held(), rendezvousOut: this.rndvOut.size };
   }
 }

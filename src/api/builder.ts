@@ -5,7 +5,7 @@ import { RdmaError, checkInt } from "../errors.js";
 import { Access, type DeviceAttr } from "../transport/types.js";
 import type { ProviderChoice } from "../transport/providers.js";
 import type { PollingMode } from "../agent/connection.js";
-import { type Rdma, parseAddr, signalOf } from "./rdma.js";
+import { type Rdma, parseAddr, signalOf, whenReady } from "./rdma.js";
 import { RdmaListener } from "./listener.js";
 import type { ConnectionManager, Establisher } from "./establish.js";
 import { sideChannel } from "./sidechannel.js";
@@ -295,7 +295,7 @@ export class RdmaBuilder {
   async connect(addr: string | { host: string; port: number }, opts?: { signal?: AbortSignal }): Promise<Rdma> {
     const a = parseAddr(addr);
     const signal = signalOf(opts, "connect");
-    return this.establisher().dial({ ...this.s }, (attr) => this.resolve(attr), a, signal);
+    return whenReady(await this.establisher().dial({ ...this.s }, (attr) => this.resolve(attr), a, signal));
   }
 
   /** A listener that accepts any number of connections (`for await (const rdma of listener)`). */

@@ -15,6 +15,7 @@ import { RdmaError } from "../errors.js";
 import { loadProvider, type ProviderChoice } from "../transport/providers.js";
 import type { Device, ProtectionDomain, Provider } from "../transport/types.js";
 import { MrPool } from "../memory/pool.js";
+import { ShareTable } from "../agent/shares.js";
 
 const devices = new Map<string, { dev: Promise<Device>; refs: number }>();
 
@@ -53,14 +54,18 @@ export function contextStats(): { live: number } {
 
 export class Context {
   refs = 1;
+  /** Regions shared by name from this context's memory (a fork's table falls through to its parent's: the listener's shares). */
+  readonly shares: ShareTable;
   private constructor(
     readonly provider: Provider,
     readonly device: Device,
     readonly pd: ProtectionDomain,
     readonly pool: MrPool,
     private readonly releaseDevice: () => void,
+    parentShares: ShareTable | null = null,
   ) {
     liveContexts++;
+    this.shares = new ShareTable(parentShares);
   }
 
   static async open(choice: ProviderChoice, deviceName: string | undefined): Promise<Context> {
@@ -88,7 +93,7 @@ export class Context {
       throw e instanceof RdmaError ? e : new RdmaError("DEVICE", `cannot allocate a protection domain on ${this.device.name}: ${(e as Error).message}`, { cause: e });
     }
     this.retain();
-    return new Context(this.provider, this.device, pd, new MrPool(pd), () => this.release());
+    return new Context(this.provider, this.device, pd, new MrPool(pd), () => this.release(), this.shares);
   }
 
   retain(): this {
@@ -100,6 +105,7 @@ export class Context {
     if (this.refs <= 0) return;
     if (--this.refs > 0) return;
     liveContexts--;
+    this.shares.close();
     this.pool.close();
     try {
       this.pd.dealloc();

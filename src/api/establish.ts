@@ -23,6 +23,8 @@ export interface ListenerSource {
   address(): { host: string; port: number };
   /** Handshakes under way (accepted, not yet handed out). */
   handshakes(): number;
+  /** The listener's own context (its memory and shares; every accepted connection's context is a fork of it), or null when it has none yet (RDMA CM bound to no device). */
+  context(): Context | null;
   close(): Promise<void>;
 }
 

@@ -7,8 +7,11 @@
  */
 import { RdmaError, checkInt } from "../errors.js";
 import { AsyncQueue } from "../agent/queue.js";
-import { signalOf, type Rdma } from "./rdma.js";
+import { signalOf, whenReady, type Rdma } from "./rdma.js";
 import type { ListenerSink, ListenerSource } from "./establish.js";
+import type { Context } from "./context.js";
+import { LocalMemory, LocalMr } from "../memory/mr.js";
+import { SharedMr, shareIn, type ShareOptions } from "./shared.js";
 
 /**
  * @example
@@ -29,14 +32,22 @@ export class RdmaListener implements AsyncIterable<Rdma> {
   static async fromSource(open: (sink: ListenerSink) => Promise<ListenerSource>): Promise<RdmaListener> {
     const l = new RdmaListener();
     l.source = await open({
-      push: (rdma) => (l.closed ? void rdma.close() : l.accepted.push(rdma)),
-      reject: (e) => {
-        l.rejectedCount++;
-        if (l.rejected.length >= 100) l.rejected.shift();
-        l.rejected.push(e);
+      push: (rdma) => {
+        if (l.closed) return void rdma.close();
+        whenReady(rdma).then(
+          (r) => (l.closed ? void r.close() : l.accepted.push(r)),
+          (e: unknown) => l.refuse(e instanceof RdmaError ? e : new RdmaError("PROTOCOL", String(e))),
+        );
       },
+      reject: (e) => l.refuse(e),
     });
     return l;
+  }
+
+  private refuse(e: RdmaError): void {
+    this.rejectedCount++;
+    if (this.rejected.length >= 100) this.rejected.shift();
+    this.rejected.push(e);
   }
 
   /** The bound address (useful with port 0). */
@@ -56,6 +67,40 @@ export class RdmaListener implements AsyncIterable<Rdma> {
   private src(): ListenerSource {
     if (!this.source) throw new RdmaError("INVALID_STATE", "the listener is not open");
     return this.source;
+  }
+
+  private ctx(what: string): Context {
+    if (this.closed) throw new RdmaError("INVALID_STATE", `${what}: the listener is closed`);
+    const c = this.src().context();
+    if (!c) throw new RdmaError("INVALID_STATE", `${what}: this RDMA CM listener is bound to no RDMA device yet: bind it to a device's address (or set the device)`);
+    return c;
+  }
+
+  /**
+   * Registered, zeroed memory owned by the listener: the source of regions
+   * shared with all its connections (share()). It lives until disposed or
+   * until the listener and every connection it accepted are closed. (It is
+   * registered in the listener's own protection domain: use it locally and
+   * through shares; a connection sends from its own memory.)
+   */
+  allocLocalMr(size: number): LocalMr {
+    const c = this.ctx("allocLocalMr");
+    checkInt("size", size, 1, c.device.attr.maxMrSize);
+    return new LocalMr(new LocalMemory(c.pool, c.pool.alloc(size)), 0, size);
+  }
+
+  /**
+   * Shares `lmr` (from this listener's allocLocalMr) by name with every
+   * connection the listener accepts, present and future: each peer opens it
+   * with openSharedMr(name). The listener keeps full access. Closing the
+   * listener revokes its shares.
+   */
+  share(name: string, lmr: LocalMr, opts?: ShareOptions): SharedMr {
+    const c = this.ctx("share");
+    if (!(lmr instanceof LocalMr)) throw new RdmaError("INVALID_ARGUMENT", "share: lmr must be a LocalMr from this listener's allocLocalMr");
+    lmr.mem.check("share");
+    if (lmr.mem.alloc.mr.pd !== c.pd) throw new RdmaError("INVALID_ARGUMENT", "share: a listener shares memory from its own allocLocalMr (a connection shares its own memory with rdma.share)");
+    return shareIn(c.shares, name, lmr, opts);
   }
 
   /** The next connection. */
@@ -88,6 +133,7 @@ export class RdmaListener implements AsyncIterable<Rdma> {
     if (this.closed) return;
     this.closed = true;
     this.accepted.fail(new RdmaError("CONNECTION_CLOSED", "the listener is closed"));
+    this.source?.context()?.shares.close();
     await this.source?.close();
   }
 

@@ -4,7 +4,10 @@
 import { RdmaError, checkInt } from "../errors.js";
 import { Access, WrOpcode } from "../transport/types.js";
 import type { Connection } from "../agent/connection.js";
-import { LocalMemory, LocalMr, RemoteLease, RemoteMr } from "../memory/mr.js";
+import { LocalMemory, LocalMr, RemoteLease, RemoteMr, type RemoteAccess } from "../memory/mr.js";
+import type { PeerLimits } from "../agent/memory-protocol.js";
+import { checkAccess } from "../agent/shares.js";
+import { SharedMr, shareIn, type ShareOptions } from "./shared.js";
 import type { Context } from "./context.js";
 import { parseAddr } from "./handshake.js";
 import type { ResolvedSettings } from "./builder.js";
@@ -196,24 +199,73 @@ export class Rdma {
    * Asks the peer for `size` bytes of its memory, leased for `leaseMs`
    * (default: the builder's). Fails with QUOTA_EXCEEDED past the peer's quota.
    */
-  requestRemoteMr(size: number, opts?: OpOptions & { timeoutMs?: number; leaseMs?: number }): Promise<RemoteMr> {
+  requestRemoteMr(size: number, opts?: OpOptions & { timeoutMs?: number; leaseMs?: number; access?: RemoteAccess; waitForQuota?: boolean }): Promise<RemoteMr> {
     return guard(async () => {
       // the size travels in a 32-bit field of the request
       checkInt("size", size, 1, 2 ** 32 - 1);
       const o = optsOf(opts, "requestRemoteMr");
       const lease = o.leaseMs === undefined ? this.settings.defaultLeaseMs : checkInt("leaseMs", o.leaseMs, 1, 2 ** 31);
       const timeout = o.timeoutMs === undefined ? undefined : checkInt("timeoutMs", o.timeoutMs, 1, 2 ** 31);
-      return own(await this.conn.requestRemoteMr(size, lease, timeout, signalOf(o, "requestRemoteMr")), this.conn);
+      const access = o.access === undefined ? "atomic" : checkAccess(o.access, "requestRemoteMr");
+      if (o.waitForQuota !== undefined && typeof o.waitForQuota !== "boolean") throw new RdmaError("INVALID_ARGUMENT", "requestRemoteMr: waitForQuota must be a boolean");
+      return own(await this.conn.requestRemoteMr(size, lease, timeout, signalOf(o, "requestRemoteMr"), access, o.waitForQuota === true), this.conn);
     });
   }
 
-  /** Lends exactly `lmr`'s bytes to the peer (receiveRemoteMr there); `lmr` is unusable here until it comes back. */
-  sendLocalMr(lmr: LocalMr, opts?: OpOptions & { leaseMs?: number }): Promise<void> {
+  /**
+   * Lends exactly `lmr`'s bytes to the peer (receiveRemoteMr there) with
+   * `access` (default "atomic": read, write and atomics); `lmr` is unusable
+   * here until it comes back.
+   */
+  sendLocalMr(lmr: LocalMr, opts?: OpOptions & { leaseMs?: number; access?: RemoteAccess }): Promise<void> {
     return guard(() => {
       const o = optsOf(opts, "sendLocalMr");
       const lease = o.leaseMs === undefined ? this.settings.defaultLeaseMs : checkInt("leaseMs", o.leaseMs, 1, 2 ** 31);
-      return this.conn.sendLocalMr(this.lmr(lmr, "lmr"), lease, signalOf(o, "sendLocalMr"));
+      const access = o.access === undefined ? "atomic" : checkAccess(o.access, "sendLocalMr");
+      return this.conn.sendLocalMr(this.lmr(lmr, "lmr"), lease, signalOf(o, "sendLocalMr"), access);
     });
+  }
+
+  /**
+   * Shares `lmr`'s bytes by name with the peer of this connection and its
+   * newConnection() siblings; this side keeps full access. The peer opens it
+   * with openSharedMr(name). Revoke (or dispose) the returned SharedMr to end it.
+   */
+  share(name: string, lmr: LocalMr, opts?: ShareOptions): SharedMr {
+    this.conn.checkOpen("share");
+    return shareIn(this.ctx.shares, name, this.lmr(lmr, "lmr"), opts);
+  }
+
+  /**
+   * Opens a region the peer shares under `name` (on its listener or this
+   * connection): a RemoteMr with no lease, valid until the owner revokes it
+   * or the connection closes; dispose it to close it. An unknown name, or
+   * one the owner's allow() refuses, rejects with NOT_FOUND.
+   */
+  openSharedMr(name: string, opts?: OpOptions & { timeoutMs?: number }): Promise<RemoteMr> {
+    return guard(async () => {
+      if (typeof name !== "string" || name.length === 0) throw new RdmaError("INVALID_ARGUMENT", "openSharedMr: the name must be a non-empty string");
+      const o = optsOf(opts, "openSharedMr");
+      const timeout = o.timeoutMs === undefined ? undefined : checkInt("timeoutMs", o.timeoutMs, 1, 2 ** 31);
+      return own(await this.conn.openSharedMr(name, timeout, signalOf(o, "openSharedMr")), this.conn);
+    });
+  }
+
+  /**
+   * Asks the owner to extend the lease of a granted or lent region to
+   * `leaseMs` from now (the owner's maximum applies: asking for more fails
+   * with OUT_OF_RANGE naming it). Same as `rmr.renew(leaseMs)`.
+   */
+  renew(rmr: RemoteMr, leaseMs: number, opts?: OpOptions): Promise<void> {
+    return guard(() => this.conn.renew(this.rmr(rmr, "rmr"), checkInt("leaseMs", leaseMs, 1, 2 ** 31), signalOf(opts, "renew")));
+  }
+
+  /**
+   * The peer's limits: the quota and regions it grants this connection, its
+   * longest lease, its largest message. Known once connect/accept resolved.
+   */
+  get peerLimits(): PeerLimits | null {
+    return this.conn.peerLimits;
   }
 
   /** Memory the peer lent with sendLocalMr. */
@@ -238,7 +290,7 @@ export class Rdma {
   async newConnection(): Promise<Rdma> {
     this.conn.checkOpen("newConnection");
     if (!this.redial) throw new RdmaError("INVALID_STATE", "newConnection() needs a client-side Rdma (from connect); on a server, accept more connections from its listener");
-    return this.redial(this.ctx.retain());
+    return whenReady(await this.redial(this.ctx.retain()));
   }
 
   /** Internal counters (credits, outstanding work, grants, quota use). */
@@ -284,3 +336,19 @@ export class Rdma {
 }
 
 export { parseAddr };
+
+/**
+ * Resolves once the connection knows the peer's limits (the agent's first
+ * message, LIMITS), so `peerLimits` is set when connect/accept hand it out;
+ * a peer that does not send them within the connect timeout is dropped.
+ */
+export async function whenReady(rdma: Rdma): Promise<Rdma> {
+  try {
+    await rdma.conn.whenPeerLimits(rdma.settings.connectTimeoutMs);
+    return rdma;
+  } catch (e) {
+    rdma.conn.checkOpen("connect");
+    await rdma.close().catch(() => {});
+    throw e;
+  }
+}

@@ -328,6 +328,7 @@ async function bindCm(
   };
   const id = mod.createId();
   let info;
+  let bound: Context | null = null;
   try {
     try {
       id.bind(host, addr.port);
@@ -337,7 +338,7 @@ async function bindCm(
       throw new RdmaError("INVALID_ARGUMENT", `cannot listen on ${addr.host}:${addr.port} with RDMA CM: ${why}`, errno === undefined ? { cause: e } : { errno, cause: e });
     }
     info = id.info();
-    if (info.deviceName) await contextFor(info.deviceName, info.portNum);
+    if (info.deviceName) bound = (await contextFor(info.deviceName, info.portNum)).ctx;
     id.listen(128);
   } catch (e) {
     id.destroy();
@@ -422,6 +423,7 @@ async function bindCm(
   return {
     address: () => local,
     handshakes: () => pending.size,
+    context: () => (closed ? null : bound),
     close: async () => {
       if (closed) return;
       closed = true;

@@ -192,6 +192,7 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
       return { host: a.address, port: a.port };
     },
     handshakes: () => inProgress,
+    context: () => (closed ? null : ctx),
     close: async () => {
       if (closed) return;
       closed = true;

@@ -25,6 +25,8 @@ export class LocalMemory {
   private _lentTo: string | null = null;
   private freePending = false;
   private readonly onFree: (() => void) | null;
+  /** Run when the memory is released, before it is freed (shares revoke themselves here). */
+  readonly beforeFree = new Set<() => void>();
 
   constructor(pool: MrPool | null, alloc: Allocation, onFree: (() => void) | null = null) {
     this.pool = pool;
@@ -62,6 +64,8 @@ export class LocalMemory {
   release(): void {
     if (this.disposed) return;
     this.disposed = true;
+    for (const f of [...this.beforeFree]) f();
+    this.beforeFree.clear();
     if (this.inflight > 0) this.freePending = true;
     else this.doFree();
   }
@@ -154,17 +158,27 @@ export class LocalMr {
 /** The lease state shared by a RemoteMr and its slices. */
 export class RemoteLease {
   released = false;
+  /** The owner revoked the region (a shared region): every later use fails locally. */
+  revoked = false;
+  /** Asks the owner for a longer lease (set by the connection the region came from). */
+  renewer: ((rmr: RemoteMr, leaseMs: number, signal: AbortSignal | undefined) => Promise<void>) | null = null;
   /** The connection this region was granted or lent to (null: not checked, internal use). */
   owner: object | null = null;
   constructor(
     readonly token: number,
     /** performance.now() deadline on this side's monotonic clock (Infinity: none). */
-    readonly deadline: number,
+    public deadline: number,
     private readonly onRelease: ((token: number) => void) | null,
   ) {}
 
+  /** A renewal moved the deadline (never earlier). */
+  extend(deadline: number): void {
+    if (deadline > this.deadline) this.deadline = deadline;
+  }
+
   check(what: string): void {
     if (this.released) throw new RdmaError("INVALID_STATE", `${what}: this remote memory region was released`);
+    if (this.revoked) throw new RdmaError("REMOTE_ACCESS", `${what}: the owner revoked this shared region`);
     if (performance.now() >= this.deadline) throw new RdmaError("LEASE_EXPIRED", `${what}: the lease on this remote memory region expired; request a new one`);
   }
 
@@ -174,6 +188,9 @@ export class RemoteLease {
     this.onRelease?.(this.token);
   }
 }
+
+export type RemoteOrigin = "granted" | "lent" | "shared";
+export type RemoteAccess = "read" | "write" | "atomic";
 
 /**
  * Memory of the peer that this side may read, write and apply atomics to,
@@ -189,16 +206,24 @@ export class RemoteMr {
   readonly length: number;
   readonly rkey: number;
   /** @internal */ readonly lease: RemoteLease;
-  /** @internal where the region came from: "granted" (requestRemoteMr) or "lent" (receiveRemoteMr). */
-  readonly origin: "granted" | "lent";
+  /** @internal where the region came from: "granted" (requestRemoteMr), "lent" (receiveRemoteMr) or "shared" (openSharedMr). */
+  readonly origin: RemoteOrigin;
+  /** What the owner lets this side do: "read", "write" (read and write) or "atomic" (read, write and atomics). */
+  readonly access: RemoteAccess;
 
   /** @internal */
-  constructor(addr: number, length: number, rkey: number, lease: RemoteLease, origin: "granted" | "lent") {
+  constructor(addr: number, length: number, rkey: number, lease: RemoteLease, origin: RemoteOrigin, access: RemoteAccess = "atomic") {
     this.addr = addr;
     this.length = length;
     this.rkey = rkey;
     this.lease = lease;
     this.origin = origin;
+    this.access = access;
+  }
+
+  /** Whether the owner revoked it (shared regions). */
+  get revoked(): boolean {
+    return this.lease.revoked;
   }
 
   /** Monotonic deadline (performance.now() scale) after which the peer revokes access. */
@@ -214,7 +239,25 @@ export class RemoteMr {
     if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > this.length || start > end) {
       throw new RdmaError("OUT_OF_RANGE", `slice(${start}, ${end}) is outside this ${this.length}-byte remote region`);
     }
-    return new RemoteMr(this.addr + start, end - start, this.rkey, this.lease, this.origin);
+    return new RemoteMr(this.addr + start, end - start, this.rkey, this.lease, this.origin, this.access);
+  }
+
+  /**
+   * Asks the owner to extend the lease to `leaseMs` from now (granted and lent
+   * regions). The owner's maximum lease applies: asking for more fails with
+   * OUT_OF_RANGE naming it; a region whose lease already ended fails with
+   * LEASE_EXPIRED.
+   */
+  renew(leaseMs: number, opts?: { signal?: AbortSignal }): Promise<void> {
+    if (!Number.isInteger(leaseMs) || leaseMs < 1 || leaseMs > 2 ** 31) return Promise.reject(new RdmaError("INVALID_ARGUMENT", `renew: leaseMs must be an integer in 1 .. 2^31, got ${String(leaseMs)}`));
+    const signal = opts?.signal;
+    if (signal !== undefined && !(signal instanceof AbortSignal)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "signal must be an AbortSignal"));
+    if (!this.lease.renewer) return Promise.reject(new RdmaError("INVALID_ARGUMENT", this.origin === "shared" ? "renew: a shared region has no lease (it lasts until the owner revokes it)" : "renew: this region cannot be renewed"));
+    try {
+      return this.lease.renewer(this, leaseMs, signal);
+    } catch (e) {
+      return Promise.reject(e);
+    }
   }
 
   /** Gives the region back to its owner early (a no-op when already released). */

@@ -1,0 +1,74 @@
+/**
+ * SharedMr: the owner's handle on a region shared by name (`share()` on a
+ * listener or a connection). Peers open it with `openSharedMr(name)`.
+ */
+import { RdmaError } from "../errors.js";
+import { checkAccess, type Share, type ShareAccess, type ShareTable } from "../agent/shares.js";
+import type { LocalMr } from "../memory/mr.js";
+
+export type { ShareAccess };
+
+export interface ShareOptions {
+  /** What openers may do: "read", "write" (read and write) or "atomic" (read, write and atomics). Default "read". */
+  access?: ShareAccess;
+  /**
+   * Decides, when a peer opens the region, whether it may (synchronous;
+   * `peer` is the connection's `rdma.peer`). Absent: every peer of the
+   * listener or connection may open it.
+   */
+  allow?: (peer: unknown) => boolean;
+}
+
+export class SharedMr {
+  /** @internal */
+  constructor(private readonly share: Share) {}
+
+  get name(): string {
+    return this.share.name;
+  }
+
+  get length(): number {
+    return this.share.length;
+  }
+
+  get access(): ShareAccess {
+    return this.share.access;
+  }
+
+  get revoked(): boolean {
+    return this.share.revoked;
+  }
+
+  /** Peers that have it open now. */
+  get openCount(): number {
+    return this.share.openCount;
+  }
+
+  /**
+   * Ends the share: every registration over the bytes is removed first (a
+   * later or in-flight-late access by any peer fails with a remote access
+   * error and never touches the memory), then every opener is told (its
+   * RemoteMr fails locally with REMOTE_ACCESS). The LocalMr stays the owner's.
+   */
+  revoke(): void {
+    this.share.revoke();
+  }
+
+  [Symbol.dispose](): void {
+    this.share.revoke();
+  }
+
+  async [Symbol.asyncDispose](): Promise<void> {
+    this.share.revoke();
+  }
+}
+
+/** @internal shares `lmr` in `table` after validating the arguments. */
+export function shareIn(table: ShareTable, name: unknown, lmr: LocalMr, opts: ShareOptions | undefined | null): SharedMr {
+  if (opts !== undefined && (opts === null || typeof opts !== "object")) throw new RdmaError("INVALID_ARGUMENT", "share: options must be an object");
+  const access = opts?.access === undefined ? "read" : checkAccess(opts.access, "share");
+  const allow = opts?.allow;
+  if (allow !== undefined && typeof allow !== "function") throw new RdmaError("INVALID_ARGUMENT", "share: allow must be a function (peer) => boolean");
+  if (typeof name !== "string") throw new RdmaError("INVALID_ARGUMENT", "share: the name must be a non-empty string");
+  return new SharedMr(table.add(name, lmr, access, allow ?? null));
+}
