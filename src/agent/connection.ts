@@ -362,8 +362,20 @@ export class Connection implements MemoryHost {
     else this.hdrFree.push(h);
   }
 
+  /**
+   * Receive buffers that came back without being handed to the user (control
+   * messages, immediates, rendezvous announcements): re-posted as they are,
+   * with no allocation or registration per message. At most the receive depth.
+   */
+  private readonly recvFree: LocalMemory[] = [];
+
+  private putRecv(mem: LocalMemory): void {
+    if (this.closed || this.failure || this.recvFree.length >= this.opts.recvDepth) mem.release();
+    else this.recvFree.push(mem);
+  }
+
   private newRecv() {
-    const mem = new LocalMemory(this.pool, this.pool.alloc(HDR + this.opts.eagerMax));
+    const mem = this.recvFree.pop() ?? new LocalMemory(this.pool, this.pool.alloc(HDR + this.opts.eagerMax));
     const id = this.slot(this.newOp("recv"));
     this.recvSlots.set(id, mem);
     const a = mem.alloc;
@@ -986,7 +998,7 @@ export class Connection implements MemoryHost {
     this.poller.touch();
     this.pingOutstanding = false;
     if (opcode === WcOpcode.RECV_RDMA_WITH_IMM) {
-      mem.release();
+      this.putRecv(mem);
       this.writeImms.push(imm);
       // An unread immediate holds a credit like an unread message.
       this.repostOrHold();
@@ -1027,14 +1039,14 @@ export class Connection implements MemoryHost {
         return;
       }
       case MsgType.RNDV:
-        mem.release();
+        this.putRecv(mem);
         if (m.a > this.opts.maxMessageSize) {
           return this.protocolError(`rendezvous message of ${m.a} bytes exceeds this side's maxMessageSize (${this.opts.maxMessageSize})`);
         }
         if (m.a === 0) return this.protocolError("rendezvous message of 0 bytes");
         return this.onRendezvous(m);
       default:
-        mem.release();
+        this.putRecv(mem);
         this.repostRecv();
         return this.onControl(m);
     }
@@ -1258,6 +1270,7 @@ export class Connection implements MemoryHost {
     for (const m of this.recvSlots.values()) m.release();
     this.recvSlots.clear();
     for (const h of this.hdrFree.splice(0)) h.release();
+    for (const r of this.recvFree.splice(0)) r.release();
     for (const e of this.incoming.splice(0)) e.mr?.mem.release();
     this.heldRecvs = 0;
     this.writeImms.drain();
