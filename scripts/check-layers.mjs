@@ -6,7 +6,7 @@ import { join, relative, dirname, resolve } from "node:path";
 
 const root = resolve(new URL("..", import.meta.url).pathname);
 const src = join(root, "src");
-const rank = { errors: 0, transport: 1, memory: 2, agent: 3, api: 4, index: 5, cli: 6 };
+const rank = { errors: 0, transport: 1, memory: 2, agent: 3, api: 4, index: 5, rpc: 6, cli: 7 };
 // agent may use memory (same level group per the brief: agent/memory share a tier, agent above memory here).
 function layerOf(file) {
   const rel = relative(src, file).split("/");

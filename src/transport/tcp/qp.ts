@@ -1430,6 +1430,8 @@ export class TcpQueuePair implements QueuePair {
 
   setError(): void {
     this.checkAlive("setError");
+    // Requests this side accepted stay acknowledged (a NIC ACKs them on arrival).
+    if (this.state === QpState.RTS || this.state === QpState.RTR) this.flushAck();
     this.enterError("moved to ERR by the application", false);
   }
 
@@ -1473,6 +1475,17 @@ export class TcpQueuePair implements QueuePair {
     if (this.destroyed) return;
     this.destroyed = true;
     if (this.device.qps.get(this.qpNum) !== this) return;
+    // The ACK this side still owes goes out first: the peer's last requests
+    // (e.g. a message sent just before its CLOSE) were accepted here, and a
+    // live peer must see them complete, not retry into a closed stream.
+    if (this.state === QpState.RTS || this.state === QpState.RTR) this.flushAck();
+    const resp = this.respSock;
+    if (resp && !resp.destroyed && resp.writableLength > 0) {
+      // bytes still in user space: let them leave, bounded
+      this.respSock = null;
+      resp.end();
+      setTimeout(() => resp.destroy(), 2000).unref();
+    }
     this.state = QpState.ERR;
     if (this.rnrWait) clearTimeout(this.rnrWait);
     if (this.ackTimer) clearTimeout(this.ackTimer);

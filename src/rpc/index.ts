@@ -1,0 +1,412 @@
+/**
+ * async-rdma/rpc: request/response calls over one connection's two-sided
+ * messages (send/receive), a layer above the API.
+ *
+ * - `RpcServer`: a handler per method; `serve(rdma)` answers one connection,
+ *   `listen(listener)` every connection a listener accepts.
+ * - `RpcClient.call(method, payload, { signal, timeoutMs })`: many calls in
+ *   flight, matched by id; an abort or timeout reaches the server (its
+ *   handler's `signal` aborts) and the reply, if any, is dropped.
+ * - Payloads of any size (small ones go eagerly, large ones by rendezvous
+ *   READ underneath). Frames queued before the next microtask checkpoint
+ *   (e.g. the calls of one Promise.all, the replies of synchronous handlers to
+ *   one message) travel in one message.
+ * - A handler's error comes back as an `RpcError` with its `code` (the
+ *   error's own string `code`, else "HANDLER_ERROR") and message.
+ *
+ * One RpcClient or RpcServer per connection: each consumes the connection's
+ * receive(). Use `newConnection()` for more.
+ *
+ * Frame (big-endian), several per message:
+ *   0 u8 magic 0x52   1 u8 kind (1 CALL, 2 OK, 3 ERROR, 4 CANCEL)
+ *   2 u16 method length   4 u32 call id   8 u32 payload length
+ *   12 method (UTF-8, CALL only)   then the payload (ERROR: JSON {code, message})
+ */
+import { RdmaError, type Rdma, type RdmaListener } from "../index.js";
+
+const MAGIC = 0x52;
+const CALL = 1;
+const OK = 2;
+const ERROR = 3;
+const CANCEL = 4;
+const HDR = 12;
+/** Frames are gathered into one message up to this size; a larger frame travels alone. */
+const BATCH_BYTES = 4096;
+const MAX_METHOD = 1024;
+
+/** An error a handler threw (or the server's answer to an unknown method), carried back to the caller. */
+export class RpcError extends Error {
+  override readonly name = "RpcError";
+  constructor(
+    /** The handler error's `code` ("HANDLER_ERROR" when it had none; "NOT_FOUND" for an unknown method). */
+    readonly code: string,
+    message: string,
+    /** The method called. */
+    readonly method: string,
+  ) {
+    super(message);
+  }
+}
+
+export interface RpcContext {
+  method: string;
+  /** Aborts when the caller cancels (abort, timeout) or the connection ends. */
+  signal: AbortSignal;
+  /** The connection the call came on. */
+  rdma: Rdma;
+}
+
+export type RpcHandler = (payload: Uint8Array, ctx: RpcContext) => Uint8Array | void | Promise<Uint8Array | void>;
+
+interface Frame {
+  kind: number;
+  id: number;
+  method: string;
+  payload: Uint8Array;
+}
+
+const enc = new TextEncoder();
+const dec = new TextDecoder("utf-8", { fatal: true });
+
+function encodeFrame(kind: number, id: number, method: Uint8Array | null, payload: Uint8Array): Uint8Array {
+  const m = method ?? new Uint8Array(0);
+  const out = new Uint8Array(HDR + m.length + payload.length);
+  const v = new DataView(out.buffer);
+  v.setUint8(0, MAGIC);
+  v.setUint8(1, kind);
+  v.setUint16(2, m.length);
+  v.setUint32(4, id);
+  v.setUint32(8, payload.length);
+  out.set(m, HDR);
+  out.set(payload, HDR + m.length);
+  return out;
+}
+
+/** Every frame of a message; throws PROTOCOL naming what is wrong. */
+function decodeFrames(buf: Uint8Array): Frame[] {
+  const out: Frame[] = [];
+  const v = new DataView(buf.buffer, buf.byteOffset, buf.byteLength);
+  let off = 0;
+  while (off < buf.length) {
+    if (buf.length - off < HDR) throw new RdmaError("PROTOCOL", `rpc: truncated frame header (${buf.length - off} bytes)`);
+    if (v.getUint8(off) !== MAGIC) throw new RdmaError("PROTOCOL", "rpc: bad frame magic (is the peer an RpcClient/RpcServer?)");
+    const kind = v.getUint8(off + 1);
+    const mlen = v.getUint16(off + 2);
+    const id = v.getUint32(off + 4);
+    const plen = v.getUint32(off + 8);
+    if (kind < CALL || kind > CANCEL) throw new RdmaError("PROTOCOL", `rpc: unknown frame kind ${kind}`);
+    if (kind !== CALL && mlen !== 0) throw new RdmaError("PROTOCOL", "rpc: method name on a frame that is not a call");
+    if (mlen > MAX_METHOD) throw new RdmaError("PROTOCOL", `rpc: method name of ${mlen} bytes`);
+    const end = off + HDR + mlen + plen;
+    if (end > buf.length) throw new RdmaError("PROTOCOL", "rpc: frame longer than its message");
+    let method = "";
+    if (mlen > 0) {
+      try {
+        method = dec.decode(buf.subarray(off + HDR, off + HDR + mlen));
+      } catch {
+        throw new RdmaError("PROTOCOL", "rpc: method name is not UTF-8");
+      }
+    }
+    // A copy: the message's buffer goes back to the connection at once.
+    out.push({ kind, id, method, payload: buf.slice(off + HDR + mlen, end) });
+    off = end;
+  }
+  return out;
+}
+
+/** Frames queued before the next microtask checkpoint go out together. */
+class Outbox {
+  private frames: Uint8Array[] = [];
+  private scheduled = false;
+  failure: unknown = null;
+
+  constructor(
+    private readonly rdma: Rdma,
+    private readonly onError: (e: unknown) => void,
+  ) {}
+
+  push(frame: Uint8Array): void {
+    if (this.failure) return;
+    this.frames.push(frame);
+    if (!this.scheduled) {
+      this.scheduled = true;
+      queueMicrotask(() => this.flush());
+    }
+  }
+
+  private flush(): void {
+    this.scheduled = false;
+    const frames = this.frames;
+    this.frames = [];
+    let batch: Uint8Array[] = [];
+    let bytes = 0;
+    const out = (list: Uint8Array[], n: number): void => {
+      if (list.length === 0 || this.failure) return;
+      let lmr;
+      try {
+        lmr = this.rdma.allocLocalMr(n);
+      } catch (e) {
+        this.failure = e;
+        // A closing connection: its receive loop ends every call with CONNECTION_CLOSED.
+        if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") return;
+        return this.onError(e);
+      }
+      const b = lmr.bytes;
+      let o = 0;
+      for (const f of list) {
+        b.set(f, o);
+        o += f.length;
+      }
+      const m = lmr;
+      this.rdma.send(m).then(
+        () => m.dispose(),
+        (e: unknown) => {
+          m[Symbol.dispose]();
+          if (!this.failure && !(e instanceof RdmaError && e.code === "CONNECTION_CLOSED")) {
+            this.failure = e;
+            this.onError(e);
+          }
+        },
+      );
+    };
+    for (const f of frames) {
+      if (bytes > 0 && bytes + f.length > BATCH_BYTES) {
+        out(batch, bytes);
+        batch = [];
+        bytes = 0;
+      }
+      batch.push(f);
+      bytes += f.length;
+    }
+    out(batch, bytes);
+  }
+}
+
+function errorFrame(id: number, e: unknown): Uint8Array {
+  const code = typeof (e as { code?: unknown })?.code === "string" ? (e as { code: string }).code : "HANDLER_ERROR";
+  const message = e instanceof Error ? e.message : String(e);
+  return encodeFrame(ERROR, id, null, enc.encode(JSON.stringify({ code: code.slice(0, 100), message: message.slice(0, 4000) })));
+}
+
+export interface RpcServerOptions {
+  /** Calls a connection may have running at once (default 128); past it the server stops reading and the client waits for credits. */
+  maxInFlight?: number;
+}
+
+export class RpcServer {
+  private readonly handlers: Map<string, RpcHandler>;
+  private readonly maxInFlight: number;
+
+  constructor(handlers: Record<string, RpcHandler>, opts: RpcServerOptions = {}) {
+    if (handlers === null || typeof handlers !== "object") throw new RdmaError("INVALID_ARGUMENT", "RpcServer: handlers must be an object of functions");
+    this.handlers = new Map();
+    for (const [k, h] of Object.entries(handlers)) {
+      if (typeof h !== "function") throw new RdmaError("INVALID_ARGUMENT", `RpcServer: handler ${JSON.stringify(k)} is not a function`);
+      if (enc.encode(k).length > MAX_METHOD) throw new RdmaError("INVALID_ARGUMENT", `RpcServer: method name ${JSON.stringify(k.slice(0, 40))}… is longer than ${MAX_METHOD} bytes`);
+      this.handlers.set(k, h);
+    }
+    const m = opts.maxInFlight ?? 128;
+    if (!Number.isInteger(m) || m < 1) throw new RdmaError("INVALID_ARGUMENT", "RpcServer: maxInFlight must be a positive integer");
+    this.maxInFlight = m;
+  }
+
+  /** Answers calls on every connection `listener` accepts until it closes (connections already served go on). */
+  async listen(listener: RdmaListener): Promise<void> {
+    for await (const rdma of listener) void this.serve(rdma).catch(() => {});
+  }
+
+  /**
+   * Answers calls on `rdma` until the connection closes (resolves) or the
+   * peer breaks the protocol (the connection is closed; rejects PROTOCOL).
+   */
+  async serve(rdma: Rdma): Promise<void> {
+    const running = new Map<number, AbortController>();
+    let wake: (() => void) | null = null;
+    const outbox = new Outbox(rdma, () => void rdma.close().catch(() => {}));
+    try {
+      for (;;) {
+        while (running.size >= this.maxInFlight) await new Promise<void>((r) => (wake = r));
+        let msg;
+        try {
+          msg = await rdma.receive();
+        } catch (e) {
+          if (e instanceof RdmaError && (e.code === "CONNECTION_CLOSED" || rdma.closed)) return;
+          throw e;
+        }
+        let frames: Frame[];
+        try {
+          frames = decodeFrames(msg.bytes);
+        } catch (e) {
+          // the connection closed between the arrival and now (its memory is gone)
+          if (rdma.closed && !(e instanceof RdmaError && e.code === "PROTOCOL")) return;
+          throw e;
+        } finally {
+          msg[Symbol.dispose]();
+        }
+        for (const f of frames) {
+          if (f.kind === CANCEL) {
+            running.get(f.id)?.abort(new RdmaError("ABORTED", "the caller cancelled the call"));
+            continue;
+          }
+          if (f.kind !== CALL) throw new RdmaError("PROTOCOL", `rpc: a client sent a frame of kind ${f.kind}`);
+          if (running.has(f.id)) throw new RdmaError("PROTOCOL", `rpc: call id ${f.id} is already running`);
+          const h = this.handlers.get(f.method);
+          if (!h) {
+            outbox.push(errorFrame(f.id, Object.assign(new Error(`no such method: ${JSON.stringify(f.method)}`), { code: "NOT_FOUND" })));
+            continue;
+          }
+          const ac = new AbortController();
+          running.set(f.id, ac);
+          const done = (frame: Uint8Array): void => {
+            running.delete(f.id);
+            // a cancelled call gets no reply: the caller has forgotten it
+            if (!ac.signal.aborted) outbox.push(frame);
+            const w = wake;
+            wake = null;
+            w?.();
+          };
+          let r;
+          try {
+            r = h(f.payload, { method: f.method, signal: ac.signal, rdma });
+          } catch (e) {
+            done(errorFrame(f.id, e));
+            continue;
+          }
+          Promise.resolve(r).then(
+            (v) => done(encodeFrame(OK, f.id, null, v instanceof Uint8Array ? v : new Uint8Array(0))),
+            (e: unknown) => done(errorFrame(f.id, e)),
+          );
+        }
+      }
+    } catch (e) {
+      await rdma.close().catch(() => {});
+      throw e;
+    } finally {
+      for (const ac of running.values()) ac.abort(new RdmaError("CONNECTION_CLOSED", "the connection ended"));
+    }
+  }
+}
+
+export interface CallOptions {
+  signal?: AbortSignal;
+  /** Rejects with TIMEOUT (and cancels the call at the server) after this. */
+  timeoutMs?: number;
+}
+
+export class RpcClient {
+  private nextId = 1;
+  private readonly pending = new Map<number, { resolve: (v: Uint8Array) => void; reject: (e: unknown) => void; method: string }>();
+  private failure: unknown = null;
+  private readonly outbox: Outbox;
+  private readonly loop: Promise<void>;
+
+  constructor(
+    readonly rdma: Rdma,
+    private readonly defaults: { timeoutMs?: number } = {},
+  ) {
+    this.outbox = new Outbox(rdma, (e) => this.fail(e));
+    this.loop = this.receiveLoop();
+  }
+
+  private fail(e: unknown): void {
+    if (this.failure) return;
+    this.failure = e;
+    for (const p of [...this.pending.values()]) p.reject(e);
+    this.pending.clear();
+  }
+
+  private async receiveLoop(): Promise<void> {
+    for (;;) {
+      let msg;
+      try {
+        msg = await this.rdma.receive();
+      } catch (e) {
+        return this.fail(e instanceof RdmaError ? e : new RdmaError("CONNECTION_CLOSED", String(e)));
+      }
+      let frames: Frame[];
+      try {
+        frames = decodeFrames(msg.bytes);
+        for (const f of frames) if (f.kind !== OK && f.kind !== ERROR) throw new RdmaError("PROTOCOL", `rpc: a server sent a frame of kind ${f.kind}`);
+      } catch (e) {
+        this.fail(this.rdma.closed && !(e instanceof RdmaError && e.code === "PROTOCOL") ? new RdmaError("CONNECTION_CLOSED", "the connection closed") : e);
+        await this.rdma.close().catch(() => {});
+        return;
+      } finally {
+        msg[Symbol.dispose]();
+      }
+      for (const f of frames) {
+        const p = this.pending.get(f.id);
+        if (!p) continue; // cancelled meanwhile
+        this.pending.delete(f.id);
+        if (f.kind === OK) p.resolve(f.payload);
+        else {
+          let code = "HANDLER_ERROR";
+          let message = "the handler failed";
+          try {
+            const j = JSON.parse(dec.decode(f.payload)) as { code?: unknown; message?: unknown };
+            if (typeof j.code === "string") code = j.code;
+            if (typeof j.message === "string") message = j.message;
+          } catch {
+            /* keep the defaults */
+          }
+          p.reject(new RpcError(code, `${p.method}: ${message}`, p.method));
+        }
+      }
+    }
+  }
+
+  /** Calls `method` with `payload`; resolves to the handler's reply bytes. */
+  call(method: string, payload: Uint8Array = new Uint8Array(0), opts: CallOptions = {}): Promise<Uint8Array> {
+    if (this.failure) return Promise.reject(this.failure);
+    if (typeof method !== "string" || method.length === 0) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "call: method must be a non-empty string"));
+    if (!(payload instanceof Uint8Array)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "call: payload must be a Uint8Array"));
+    const m = enc.encode(method);
+    if (m.length > MAX_METHOD) return Promise.reject(new RdmaError("INVALID_ARGUMENT", `call: method name longer than ${MAX_METHOD} bytes`));
+    const { signal } = opts;
+    if (signal !== undefined && !(signal instanceof AbortSignal)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "signal must be an AbortSignal"));
+    if (signal?.aborted) return Promise.reject(new RdmaError("ABORTED", `${method} aborted`));
+    const timeoutMs = opts.timeoutMs ?? this.defaults.timeoutMs;
+    if (timeoutMs !== undefined && (!Number.isInteger(timeoutMs) || timeoutMs < 1)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "call: timeoutMs must be a positive integer"));
+    const id = this.nextId;
+    this.nextId = (this.nextId + 1) >>> 0 || 1;
+    return new Promise<Uint8Array>((resolve, reject) => {
+      let timer: NodeJS.Timeout | null = null;
+      const cleanup = (): void => {
+        if (timer) clearTimeout(timer);
+        signal?.removeEventListener("abort", onAbort);
+      };
+      const cancel = (e: RdmaError): void => {
+        if (!this.pending.delete(id)) return;
+        cleanup();
+        this.outbox.push(encodeFrame(CANCEL, id, null, new Uint8Array(0)));
+        reject(e);
+      };
+      const onAbort = (): void => cancel(new RdmaError("ABORTED", `${method} aborted`));
+      if (timeoutMs !== undefined) timer = setTimeout(() => cancel(new RdmaError("TIMEOUT", `${method} timed out after ${timeoutMs} ms`)), timeoutMs);
+      signal?.addEventListener("abort", onAbort, { once: true });
+      this.pending.set(id, {
+        method,
+        resolve: (v) => {
+          cleanup();
+          resolve(v);
+        },
+        reject: (e) => {
+          cleanup();
+          reject(e);
+        },
+      });
+      this.outbox.push(encodeFrame(CALL, id, m, payload));
+    });
+  }
+
+  /** Calls in flight. */
+  get inFlight(): number {
+    return this.pending.size;
+  }
+
+  /** Closes the connection; calls in flight reject with CONNECTION_CLOSED. */
+  async close(): Promise<void> {
+    await this.rdma.close();
+    await this.loop;
+  }
+}
