@@ -19,7 +19,7 @@
  * - an SGE's length, and a send's total length: at most 2^31 (RC's maximum message).
  * - scatter/gather lists: at most the QP's maxSendSge / maxRecvSge entries.
  * - WRITE, WRITE_WITH_IMM, READ and atomics name remoteAddr and rkey.
- * - atomics: exactly one 8-byte SGE, bigint operands.
+ * - atomics: exactly one 8-byte SGE, bigint operands, remoteAddr 8-byte aligned.
  * - INLINE sends and writes: at most the QP's maxInlineData bytes.
  * - LOCAL_INV names invalidateRkey; BIND_MW names mw, bindRkey and bind { mr, addr, length, access }.
  * - registration: access flags within ibv_access_flags, and remote write or
@@ -132,6 +132,8 @@ export function validateSendWr(wr: SendWr, i: number, caps: WrCaps): number {
   if (isAtomic(op)) {
     if (wr.sgList?.length !== 1 || len !== 8) throw bad(where, "an atomic needs one 8-byte scatter/gather element");
     if (typeof (wr.compareAdd ?? 0n) !== "bigint" || typeof (wr.swap ?? 0n) !== "bigint") throw bad(where, "atomic operands must be bigint");
+    // IBA: an atomic's target is 8-byte aligned; rxe refuses a misaligned one at post (EINVAL), and so does every provider here.
+    if (wr.remoteAddr! % 8 !== 0) throw bad(where, `atomic target 0x${wr.remoteAddr!.toString(16)} is not 8-byte aligned`);
   }
   if (op === WrOpcode.LOCAL_INV) checkU32(where, "invalidateRkey (LOCAL_INV)", wr.invalidateRkey);
   if (op === WrOpcode.BIND_MW) {
