@@ -46,8 +46,6 @@ export const DEVICE_DEVIATIONS = {
     "rxe (kernel 6.1) completes a SEND/WRITE whose gather SGE names an invalid lkey with LOC_QP_OP_ERR, not LOC_PROT_ERR: rxe_requester maps finish_packet's error to LOC_PROT_ERR only for -EFAULT (an SGE outside its MR) and to LOC_QP_OP_ERR otherwise, and copy_data returns -EINVAL when the lkey lookup fails (drivers/infiniband/sw/rxe/rxe_req.c, rxe_mr.c; measured in the guest). A READ scattering into a bad lkey does give LOC_PROT_ERR.",
   "rxe-recv-len-status":
     "rxe (kernel 6.1) completes a SEND that does not fit the receive buffer with LOC_QP_OP_ERR at the responder and REM_OP_ERR at the requester, not LOC_LEN_ERR / REM_INV_REQ_ERR: send_data_in treats only -ENOSPC from copy_data as RESPST_ERR_LENGTH, and copy_data reports the overrun as -EINVAL, so it becomes RESPST_ERR_MALFORMED_WQE (NAK remote operational error) (drivers/infiniband/sw/rxe/rxe_resp.c, rxe_mr.c; measured in the guest).",
-  "rxe-atomic-align-at-post":
-    "rxe refuses an atomic WR whose remote address is not 8-byte aligned at post time (validate_send_wr: EINVAL from ibv_post_send, so the provider throws INVALID_ARGUMENT) instead of sending it and completing with REM_INV_REQ_ERR from the responder's NAK (drivers/infiniband/sw/rxe/rxe_verbs.c / rdma-core providers/rxe; measured in the guest). The QP stays in RTS.",
 } as const;
 
 export type DeviationRule = keyof typeof DEVICE_DEVIATIONS;

@@ -17,16 +17,23 @@
 import type net from "node:net";
 import { QpState } from "../types.js";
 import { FrameType } from "./codec.js";
-import { FrameReader, type TcpQueuePair } from "./qp.js";
+import { FrameReader } from "./frame-reader.js";
 
 /** Defaults of the device's limits on streams that have not said HELLO (see docs/architecture.md, Limits). */
 export const HELLO_TIMEOUT_MS = 10_000;
 export const MAX_PENDING_HELLO = 4096;
 export const MAX_PENDING_HELLO_PER_SOURCE = 64;
 
+/** A QP as the device's port sees it: HELLO names it, and it takes the stream (TcpQueuePair). */
+export interface HelloTarget {
+  readonly state: QpState;
+  /** The peer's request stream: `srcQp` and `psn` from its HELLO, `rest` the bytes that followed it. */
+  incoming(sock: net.Socket, srcQp: number, psn: number, rest: Buffer | null): void;
+}
+
 /** What acceptIncoming needs from the device. */
 export interface AcceptingDevice {
-  readonly qps: Map<number, TcpQueuePair>;
+  readonly qps: Map<number, HelloTarget>;
   readonly pendingHello: PendingStreams;
   helloTimeoutMs: number;
   maxPendingHello: number;
@@ -128,7 +135,7 @@ export function acceptIncoming(device: AcceptingDevice, sock: net.Socket): void 
   const entry = pending.add(source, sock);
   sock.once("close", () => pending.remove(entry));
   sock.setNoDelay(true);
-  let hello: { qp: TcpQueuePair; srcQp: number; psn: number } | null = null;
+  let hello: { qp: HelloTarget; srcQp: number; psn: number } | null = null;
   const reader = new FrameReader(
     (h) => {
       reader.stopped = true;

@@ -1,13 +1,13 @@
 /**
- * Device, PD, MR, MW and CQ of the tcp provider. The QP (the transport proper)
- * lives in qp.ts.
+ * Device and PD of the tcp provider: the device's limits, key space, virtual
+ * address space and listening port, and the PD's bookkeeping of what it
+ * holds. MRs and windows live in memory.ts, the CQ in cq.ts, the QP (the
+ * transport proper) in qp.ts.
  */
 import net from "node:net";
 import { randomInt } from "node:crypto";
 import { RdmaError, checkInt } from "../../errors.js";
 import {
-  Access,
-  CompletionBuffer,
   type AsyncEvent,
   type CompletionQueue,
   type Device,
@@ -18,14 +18,17 @@ import {
   type ProtectionDomain,
   type QpInitAttr,
   type QueuePair,
-  type TcpDeviceOptions,
 } from "../types.js";
+import { validateMrAccess, validateMrRange } from "../validate.js";
+import { isDetached } from "../buffers.js";
 import { TcpQueuePair } from "./qp.js";
+import { TcpCq } from "./cq.js";
+import { PAGE, TcpMr, TcpMw, type KeyTarget } from "./memory.js";
 import { HELLO_TIMEOUT_MS, MAX_PENDING_HELLO, MAX_PENDING_HELLO_PER_SOURCE, PendingStreams, acceptIncoming } from "./accept.js";
 import { KeySpace } from "./keys.js";
-import { detachArrayBuffer, isDetached } from "../buffers.js";
 
-const PAGE = 4096;
+export { TcpMr, TcpMw, type KeyTarget } from "./memory.js";
+export { TcpCq } from "./cq.js";
 
 export const TCP_DEVICE_ATTR: Omit<DeviceAttr, "nodeGuid"> = {
   provider: "tcp",
@@ -47,8 +50,6 @@ export const TCP_DEVICE_ATTR: Omit<DeviceAttr, "nodeGuid"> = {
   mwEnforcesBounds: true,
   physPortCnt: 1,
 };
-
-export type KeyTarget = TcpMr | TcpMw;
 
 export class TcpDevice implements Device {
   readonly name: string;
@@ -180,33 +181,15 @@ export class TcpPd implements ProtectionDomain {
 
   registerMr(memory: number | ArrayBuffer, access: number, offset = 0, length?: number): MemoryRegion {
     this.checkOpen();
-    checkInt("access", access, 0, 31);
-    if (access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) && !(access & Access.LOCAL_WRITE)) {
-      throw new RdmaError("INVALID_ARGUMENT", "remote write or atomic access requires LOCAL_WRITE (verbs refuses it with EINVAL)", { errno: "EINVAL" });
-    }
-    let buffer: ArrayBuffer;
-    let len: number;
-    let owned: boolean;
-    if (typeof memory === "number") {
-      checkInt("length", memory, 1, this.device.attr.maxMrSize);
-      buffer = new ArrayBuffer(memory);
-      len = memory;
-      offset = 0;
-      owned = true;
-    } else {
-      if (!(memory instanceof ArrayBuffer)) throw new RdmaError("INVALID_ARGUMENT", "registerMr takes a length or an ArrayBuffer");
-      if (isDetached(memory)) throw new RdmaError("INVALID_ARGUMENT", "cannot register a detached ArrayBuffer");
-      if ((memory as ArrayBuffer & { resizable?: boolean }).resizable) throw new RdmaError("INVALID_ARGUMENT", "cannot register a resizable ArrayBuffer: its memory may move");
-      buffer = memory;
-      checkInt("offset", offset, 0, memory.byteLength);
-      len = length ?? memory.byteLength - offset;
-      checkInt("length", len, 1, Math.min(memory.byteLength - offset, this.device.attr.maxMrSize));
-      owned = false;
-    }
+    validateMrAccess(access);
+    if (memory instanceof ArrayBuffer && isDetached(memory)) throw new RdmaError("INVALID_ARGUMENT", "cannot register a detached ArrayBuffer");
+    const range = validateMrRange(memory, offset, length, this.device.attr.maxMrSize);
+    const owned = typeof memory === "number";
+    const buffer = typeof memory === "number" ? new ArrayBuffer(range.length) : memory;
     if (this.device.liveMrs >= this.device.attr.maxMr) {
       throw new RdmaError("RESOURCE_EXHAUSTED", `device ${this.device.name} already has ${this.device.attr.maxMr} MRs registered (maxMr; verbs refuses with ENOMEM)`, { errno: "ENOMEM" });
     }
-    const mr = new TcpMr(this, buffer, offset, len, access, owned);
+    const mr = new TcpMr(this, buffer, range.offset, range.length, access, owned);
     this.mrs++;
     return mr;
   }
@@ -251,246 +234,5 @@ export class TcpPd implements ProtectionDomain {
   checkOpen(): void {
     if (this.deallocated) throw new RdmaError("INVALID_STATE", "protection domain is deallocated");
     this.device.checkOpen();
-  }
-}
-
-export class TcpMr implements MemoryRegion {
-  readonly pd: TcpPd;
-  readonly offset: number;
-  readonly addr: number;
-  readonly length: number;
-  readonly lkey: number;
-  readonly rkey: number;
-  readonly access: number;
-  deregistered = false;
-  /** Windows bound to this MR (deregistering it with windows bound fails, as in verbs). */
-  boundWindows = 0;
-  private _buffer: ArrayBuffer;
-  private readonly owned: boolean;
-  /** Byte view over the registered range, for placement. */
-  view: Uint8Array;
-
-  constructor(pd: TcpPd, buffer: ArrayBuffer, offset: number, length: number, access: number, owned: boolean) {
-    this.pd = pd;
-    this._buffer = buffer;
-    this.offset = offset;
-    this.length = length;
-    this.access = access;
-    this.owned = owned;
-    this.addr = pd.device.allocAddr(length, offset % PAGE);
-    this.lkey = this.rkey = pd.device.allocKey();
-    this.view = new Uint8Array(buffer, offset, length);
-    pd.device.keys.set(this.lkey, this);
-    pd.device.liveMrs++;
-  }
-
-  get buffer(): ArrayBuffer {
-    return this._buffer;
-  }
-
-  /** Socket writes still reading this MR's bytes (zero-copy payloads). */
-  private pendingWrites = 0;
-  private detachPending = false;
-
-  /** A socket write from this MR's bytes is queued; `writeDone` runs when the kernel has them. */
-  retainForWrite(): void {
-    this.pendingWrites++;
-  }
-
-  readonly writeDone = (): void => {
-    if (--this.pendingWrites === 0 && this.detachPending) this.detach();
-  };
-
-  deregister(): void {
-    if (this.deregistered) return;
-    if (this.boundWindows > 0) throw new RdmaError("INVALID_STATE", `MR has ${this.boundWindows} memory windows bound (verbs refuses with EBUSY)`, { errno: "EBUSY" });
-    this.deregistered = true;
-    this.pd.device.keys.delete(this.lkey);
-    this.pd.device.releaseKey(this.lkey);
-    this.pd.device.liveMrs--;
-    this.pd.released("mr");
-    if (this.owned) {
-      // Memory the provider allocated: detach every JS view so it cannot be touched after free,
-      // but only once no queued socket write still reads it (else the kernel would read freed memory).
-      if (this.pendingWrites > 0) this.detachPending = true;
-      else this.detach();
-    }
-  }
-
-  private detach(): void {
-    this.detachPending = false;
-    detachArrayBuffer(this._buffer);
-    this.view = new Uint8Array(0);
-  }
-}
-
-export class TcpMw implements MemoryWindow {
-  readonly pd: TcpPd;
-  readonly type: 1 | 2;
-  private key: number;
-  private bound = false;
-  mr: TcpMr | null = null;
-  addr = 0;
-  length = 0;
-  access = 0;
-  /** Type 2 windows are bound to one QP; only that QP may use the rkey. */
-  qp: TcpQueuePair | null = null;
-  deallocated = false;
-
-  constructor(pd: TcpPd, type: 1 | 2) {
-    this.pd = pd;
-    this.type = type;
-    // The index is the window's for life; binds change only the low byte (nextRkey).
-    this.key = pd.device.allocKey();
-    pd.device.liveMws++;
-  }
-
-  get rkey(): number {
-    return this.bound ? this.key : 0;
-  }
-
-  nextRkey(): number {
-    return ((this.key & ~0xff) | ((this.key + 1) & 0xff)) >>> 0;
-  }
-
-  /** Executed by the QP when a BIND_MW WR reaches the head of its send queue. */
-  bind(qp: TcpQueuePair, rkey: number, mr: TcpMr, addr: number, length: number, access: number): void {
-    this.unbind();
-    this.key = rkey >>> 0;
-    this.mr = mr;
-    this.addr = addr;
-    this.length = length;
-    this.access = access;
-    this.qp = this.type === 2 ? qp : null;
-    this.bound = true;
-    mr.boundWindows++;
-    this.pd.device.keys.set(this.key, this);
-  }
-
-  unbind(): void {
-    if (!this.bound) return;
-    this.pd.device.keys.delete(this.key);
-    if (this.mr) this.mr.boundWindows--;
-    this.mr = null;
-    this.qp = null;
-    this.bound = false;
-  }
-
-  dealloc(): void {
-    if (this.deallocated) return;
-    this.unbind();
-    this.deallocated = true;
-    this.pd.device.releaseKey(this.key);
-    this.pd.device.liveMws--;
-    this.pd.released("mw");
-  }
-}
-
-/** Completion ring: struct of arrays, `depth` entries; overflow is a CQ error as on an HCA. */
-export class TcpCq implements CompletionQueue {
-  readonly device: TcpDevice;
-  readonly depth: number;
-  private _onNotify: (() => void) | null = null;
-  /** Keeps the event loop alive while armed with a handler, as a verbs CQ's channel watcher does. */
-  private hold: NodeJS.Timeout | null = null;
-
-  get onNotify(): (() => void) | null {
-    return this._onNotify;
-  }
-
-  set onNotify(f: (() => void) | null) {
-    this._onNotify = f;
-    this.updateHold();
-  }
-
-  private updateHold(): void {
-    const want = this.armed && this._onNotify !== null && !this.destroyed;
-    if (want && this.hold === null) this.hold = setInterval(() => {}, 2 ** 30);
-    else if (!want && this.hold !== null) {
-      clearInterval(this.hold);
-      this.hold = null;
-    }
-  }
-  private readonly ring: CompletionBuffer;
-  private head = 0;
-  private count = 0;
-  private armed = false;
-  private scheduled = false;
-  destroyed = false;
-  /** QPs using this CQ, moved to ERR on overrun. */
-  readonly qps = new Set<TcpQueuePair>();
-
-  constructor(device: TcpDevice, depth: number) {
-    this.device = device;
-    this.depth = depth;
-    this.ring = new CompletionBuffer(depth);
-  }
-
-  push(wrId: number, status: number, opcode: number, flags: number, byteLen: number, imm: number, qpNum: number): void {
-    if (this.destroyed) return;
-    if (this.count === this.depth) {
-      const e: AsyncEvent = { type: "CQ_ERR", reason: `completion queue overrun (depth ${this.depth}): poll faster or create a deeper CQ` };
-      this.device.onEvent?.(e);
-      for (const qp of this.qps) qp.fatal("CQ_ERR", e.reason);
-      return;
-    }
-    const r = this.ring;
-    const i = (this.head + this.count) % this.depth;
-    r.wrId[i] = wrId;
-    r.status[i] = status;
-    r.opcode[i] = opcode;
-    r.flags[i] = flags;
-    r.byteLen[i] = byteLen;
-    r.imm[i] = imm;
-    r.qpNum[i] = qpNum;
-    r.vendorErr[i] = 0;
-    this.count++;
-    if (this.armed && !this.scheduled) {
-      this.armed = false;
-      this.scheduled = true;
-      setImmediate(() => {
-        this.scheduled = false;
-        if (!this.destroyed) this._onNotify?.();
-        this.updateHold();
-      });
-    }
-  }
-
-  poll(out: CompletionBuffer, max?: number): number {
-    if (this.destroyed) throw new RdmaError("INVALID_STATE", "poll on a destroyed completion queue", { errno: "EINVAL" });
-    if (!(out instanceof CompletionBuffer)) throw new RdmaError("INVALID_ARGUMENT", "poll needs a CompletionBuffer");
-    if (max === undefined) max = out.capacity;
-    else checkInt("max", max, 0, 2 ** 31);
-    const n = Math.min(max, out.capacity, this.count);
-    const r = this.ring;
-    for (let k = 0; k < n; k++) {
-      const i = this.head;
-      out.wrId[k] = r.wrId[i]!;
-      out.status[k] = r.status[i]!;
-      out.opcode[k] = r.opcode[i]!;
-      out.flags[k] = r.flags[i]!;
-      out.byteLen[k] = r.byteLen[i]!;
-      out.imm[k] = r.imm[i]!;
-      out.qpNum[k] = r.qpNum[i]!;
-      out.vendorErr[k] = r.vendorErr[i]!;
-      this.head = (this.head + 1) % this.depth;
-    }
-    this.count -= n;
-    return n;
-  }
-
-  requestNotify(): void {
-    if (this.destroyed) throw new RdmaError("INVALID_STATE", "requestNotify on a destroyed completion queue", { errno: "EINVAL" });
-    this.armed = true;
-    this.updateHold();
-  }
-
-  destroy(): void {
-    if (this.destroyed) return;
-    if (this.qps.size > 0 && !this.device.closed) throw new RdmaError("INVALID_STATE", `completion queue still used by ${this.qps.size} QPs (verbs refuses with EBUSY)`, { errno: "EBUSY" });
-    this.destroyed = true;
-    // A destroyed CQ leaves the device's table (it held ~8 KiB per closed connection).
-    this.device.cqs.delete(this);
-    this.updateHold();
   }
 }

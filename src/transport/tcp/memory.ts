@@ -1,0 +1,232 @@
+/**
+ * Memory of the tcp provider: MRs and memory windows, how a local SGE
+ * resolves to bytes, and the rules of binding and invalidating a window.
+ *
+ * Every access to registered memory goes through a subarray of an MR's view
+ * that was checked here (local SGEs) or by the responder (remote keys), and a
+ * guard that stops placement once the MR is deregistered.
+ */
+import { RdmaError } from "../../errors.js";
+import { Access, type Device, type MemoryRegion, type MemoryWindow, type ProtectionDomain, type Sge } from "../types.js";
+import { detachArrayBuffer } from "../buffers.js";
+
+export const PAGE = 4096;
+
+export type KeyTarget = TcpMr | TcpMw;
+
+/** What MRs and windows need from their device (TcpDevice): its key table and address space. */
+export interface MemoryDevice extends Device {
+  /** lkey/rkey → MR or MW. One key space per device, as on an HCA. */
+  readonly keys: Map<number, KeyTarget>;
+  liveMrs: number;
+  liveMws: number;
+  allocKey(): number;
+  releaseKey(key: number): void;
+  allocAddr(length: number, offsetInPage: number): number;
+}
+
+/** What MRs and windows need from their protection domain (TcpPd). */
+export interface MemoryPd extends ProtectionDomain {
+  readonly device: MemoryDevice;
+  released(kind: "mr" | "mw"): void;
+}
+
+/** The QP a type-2 window is bound to (only it may use the window's rkey). */
+export interface WindowOwner {
+  readonly boundWindows: Set<TcpMw>;
+}
+
+export class TcpMr implements MemoryRegion {
+  readonly pd: MemoryPd;
+  readonly offset: number;
+  readonly addr: number;
+  readonly length: number;
+  readonly lkey: number;
+  readonly rkey: number;
+  readonly access: number;
+  deregistered = false;
+  /** Windows bound to this MR (deregistering it with windows bound fails, as in verbs). */
+  boundWindows = 0;
+  private _buffer: ArrayBuffer;
+  private readonly owned: boolean;
+  /** Byte view over the registered range, for placement. */
+  view: Uint8Array;
+
+  constructor(pd: MemoryPd, buffer: ArrayBuffer, offset: number, length: number, access: number, owned: boolean) {
+    this.pd = pd;
+    this._buffer = buffer;
+    this.offset = offset;
+    this.length = length;
+    this.access = access;
+    this.owned = owned;
+    this.addr = pd.device.allocAddr(length, offset % PAGE);
+    this.lkey = this.rkey = pd.device.allocKey();
+    this.view = new Uint8Array(buffer, offset, length);
+    pd.device.keys.set(this.lkey, this);
+    pd.device.liveMrs++;
+  }
+
+  get buffer(): ArrayBuffer {
+    return this._buffer;
+  }
+
+  /** Socket writes still reading this MR's bytes (zero-copy payloads). */
+  private pendingWrites = 0;
+  private detachPending = false;
+
+  /** A socket write from this MR's bytes is queued; `writeDone` runs when the kernel has them. */
+  retainForWrite(): void {
+    this.pendingWrites++;
+  }
+
+  readonly writeDone = (): void => {
+    if (--this.pendingWrites === 0 && this.detachPending) this.detach();
+  };
+
+  deregister(): void {
+    if (this.deregistered) return;
+    if (this.boundWindows > 0) throw new RdmaError("INVALID_STATE", `MR has ${this.boundWindows} memory windows bound (verbs refuses with EBUSY)`, { errno: "EBUSY" });
+    this.deregistered = true;
+    this.pd.device.keys.delete(this.lkey);
+    this.pd.device.releaseKey(this.lkey);
+    this.pd.device.liveMrs--;
+    this.pd.released("mr");
+    if (this.owned) {
+      // Memory the provider allocated: detach every JS view so it cannot be touched after free,
+      // but only once no queued socket write still reads it (else the kernel would read freed memory).
+      if (this.pendingWrites > 0) this.detachPending = true;
+      else this.detach();
+    }
+  }
+
+  private detach(): void {
+    this.detachPending = false;
+    detachArrayBuffer(this._buffer);
+    this.view = new Uint8Array(0);
+  }
+}
+
+export class TcpMw implements MemoryWindow {
+  readonly pd: MemoryPd;
+  readonly type: 1 | 2;
+  private key: number;
+  private bound = false;
+  mr: TcpMr | null = null;
+  addr = 0;
+  length = 0;
+  access = 0;
+  /** Type 2 windows are bound to one QP; only that QP may use the rkey. */
+  qp: WindowOwner | null = null;
+  deallocated = false;
+
+  constructor(pd: MemoryPd, type: 1 | 2) {
+    this.pd = pd;
+    this.type = type;
+    // The index is the window's for life; binds change only the low byte (nextRkey).
+    this.key = pd.device.allocKey();
+    pd.device.liveMws++;
+  }
+
+  get rkey(): number {
+    return this.bound ? this.key : 0;
+  }
+
+  nextRkey(): number {
+    return ((this.key & ~0xff) | ((this.key + 1) & 0xff)) >>> 0;
+  }
+
+  /** Executed by the QP when a BIND_MW WR reaches the head of its send queue. */
+  bind(qp: WindowOwner, rkey: number, mr: TcpMr, addr: number, length: number, access: number): void {
+    this.unbind();
+    this.key = rkey >>> 0;
+    this.mr = mr;
+    this.addr = addr;
+    this.length = length;
+    this.access = access;
+    this.qp = this.type === 2 ? qp : null;
+    this.bound = true;
+    mr.boundWindows++;
+    this.pd.device.keys.set(this.key, this);
+  }
+
+  unbind(): void {
+    if (!this.bound) return;
+    this.pd.device.keys.delete(this.key);
+    if (this.mr) this.mr.boundWindows--;
+    this.mr = null;
+    this.qp = null;
+    this.bound = false;
+  }
+
+  dealloc(): void {
+    if (this.deallocated) return;
+    this.unbind();
+    this.deallocated = true;
+    this.pd.device.releaseKey(this.key);
+    this.pd.device.liveMws--;
+    this.pd.released("mw");
+  }
+}
+
+/** A guard that holds while every MR in `mrs` is registered. */
+export function mrsAlive(mrs: TcpMr[]): () => boolean {
+  const list = mrs.slice();
+  return () => {
+    for (const m of list) if (m.deregistered) return false;
+    return true;
+  };
+}
+
+/**
+ * The bytes a local SGE names, or null for a local protection error: the
+ * lkey must name a live MR of `pd` (not a window), with LOCAL_WRITE when
+ * `needWrite`, and the range must lie inside it. The MR is pushed on
+ * `resolved` (placement guards, write retention).
+ */
+export function localView(pd: MemoryPd, s: Sge, needWrite: boolean, resolved: TcpMr[]): Uint8Array | null {
+  if (s.length === 0) return new Uint8Array(0);
+  const t = pd.device.keys.get(s.lkey);
+  if (!t || !("lkey" in t) || t.lkey !== s.lkey || t.pd !== pd || t.deregistered) return null;
+  resolved.push(t);
+  if (needWrite && !(t.access & Access.LOCAL_WRITE)) return null;
+  const off = s.addr - t.addr;
+  if (off < 0 || off + s.length > t.length) return null;
+  return t.view.subarray(off, off + s.length);
+}
+
+/**
+ * BIND_MW at the head of `qp`'s send queue: a type-2 window of the QP's PD,
+ * over an MR of that PD with MW_BIND, inside the MR, with the window's own
+ * key index; remote write or atomic needs the MR's local write. False:
+ * MW_BIND_ERR.
+ */
+export function bindWindow(qp: WindowOwner, pd: MemoryPd, mw: TcpMw, rkey: number, mr: TcpMr, addr: number, length: number, access: number): boolean {
+  if (
+    mw.deallocated ||
+    mw.pd !== pd ||
+    mw.type !== 2 ||
+    !mr ||
+    mr.deregistered ||
+    mr.pd !== pd ||
+    !(mr.access & Access.MW_BIND) ||
+    rkey >>> 8 !== mw.nextRkey() >>> 8 ||
+    addr < mr.addr ||
+    addr + length > mr.addr + mr.length ||
+    (access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) && !(mr.access & Access.LOCAL_WRITE))
+  ) {
+    return false;
+  }
+  if (mw.qp) mw.qp.boundWindows.delete(mw);
+  mw.bind(qp, rkey, mr, addr, length, access);
+  qp.boundWindows.add(mw);
+  return true;
+}
+
+/** LOCAL_INV of a type-2 window's rkey in `qp`'s PD. False: local protection error. */
+export function invalidateWindow(qp: WindowOwner, pd: MemoryPd, rkey: number): boolean {
+  const t = pd.device.keys.get(rkey);
+  if (!t || "lkey" in t || t.pd !== pd || t.type !== 2) return false;
+  qp.boundWindows.delete(t);
+  t.unbind();
+  return true;
+}

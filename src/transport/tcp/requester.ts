@@ -1,0 +1,500 @@
+/**
+ * The requester half of a tcp QP: the send queue and the stream this QP
+ * dials, which carries its requests and the peer's responses to them.
+ *
+ * Invariants it owns:
+ * - entries get consecutive PSNs when first transmitted and complete strictly
+ *   in order (unsignaled ones silently unless they fail);
+ * - an ACK completes what it covers; a NAK fails the entry it names; a
+ *   READ/atomic response must match the oldest outstanding entry exactly
+ *   (PSN, kind, length), anything else is a protocol error;
+ * - a piggybacked ACK (it travels on the other stream) completes nothing
+ *   past a READ/atomic whose response has not arrived yet;
+ * - fences hold a WR until earlier READs/atomics finish; at most
+ *   `maxRdAtomic` READs/atomics are outstanding;
+ * - RNR NAK: go back N after the responder's timer, at most `rnrRetry` times
+ *   (7 = infinite);
+ * - liveness: liveness.ts (the no-progress timer this requester arms).
+ */
+import type net from "node:net";
+import { randomInt } from "node:crypto";
+import { RdmaError } from "../../errors.js";
+import { QpState, WcStatus, WrOpcode, type SendWr } from "../types.js";
+import { FrameFlags, FrameType, Syndrome, encodeHeader, rnrTimerMs, type FrameHeader } from "./codec.js";
+import { FrameReader } from "./frame-reader.js";
+import { NoProgressTimer } from "./liveness.js";
+import { bindWindow, invalidateWindow, localView, mrsAlive, type TcpMr } from "./memory.js";
+import { PSN_MASK, psnBefore, type QpCore } from "./qp-core.js";
+import { ENTRY_DONE, ENTRY_QUEUED, ENTRY_SENT, isReadOrAtomic, makeEntry, wcByteLen, wcOpcodeOf, type SqEntry } from "./send-queue.js";
+
+export class Requester {
+  private sq: SqEntry[] = [];
+  private sqHead = 0;
+  private txIdx = 0;
+  private ackIdx = 0;
+  private nextPsn = randomInt(0, PSN_MASK);
+  /** The PSN of the first request (the peer's expected PSN; sent in the endpoint and the HELLO). */
+  readonly initialPsn = this.nextPsn;
+  private outstandingRd = 0;
+  /** The stream this QP dialed (null before connect and after destroy). */
+  sock: net.Socket | null = null;
+  private reader: FrameReader | null = null;
+  private drainWait = false;
+  /** The RNR timer, while it runs (tests read it through the QP). */
+  rnrWait: NodeJS.Timeout | null = null;
+  private pendingLocalError: SqEntry | null = null;
+  private respTargetEntry: SqEntry | null = null;
+  /**
+   * Highest piggybacked ACK PSN not yet applied in full (-1: none): it overtook
+   * the response to a READ/ATOMIC, and entries after that one complete only
+   * once the response is in (see ackToMark).
+   */
+  private ackMark = -1;
+  private wrotePending = false;
+  private rnrRetry = 7;
+  private maxRdAtomic = 16;
+  readonly liveness = new NoProgressTimer({
+    outstanding: () => this.qp.state === QpState.RTS && this.firstSent() !== null,
+    waitingOutRnr: () => this.rnrWait !== null,
+    expire: (reason) => {
+      const e = this.firstSent()!;
+      e.state = ENTRY_DONE;
+      e.status = WcStatus.RETRY_EXC_ERR;
+      this.qp.enterError(reason, true, "QP_FATAL");
+    },
+  });
+
+  /**
+   * @param takePiggyback the responder's owed ACK for the request header about to be written (-1: none).
+   */
+  constructor(
+    private readonly qp: QpCore,
+    private readonly takePiggyback: (sock: net.Socket) => number,
+  ) {}
+
+  configure(attr: { timeoutMs: number; retryCnt: number; rnrRetry: number; maxRdAtomic: number; livenessMs: number }): void {
+    this.liveness.configure(attr.timeoutMs, attr.retryCnt, attr.livenessMs);
+    this.rnrRetry = attr.rnrRetry;
+    this.maxRdAtomic = attr.maxRdAtomic;
+  }
+
+  /** Takes the dialed stream: responses and ACKs arrive on it, requests leave on it. */
+  attach(sock: net.Socket, peer: string): void {
+    this.sock = sock;
+    const reader = new FrameReader(
+      (h) => this.onResponseHeader(h),
+      (h) => this.onResponseDone(h),
+      (reason) => this.qp.protocolError("requester", reason),
+      () => this.onResponseRevoked(),
+    );
+    this.reader = reader;
+    sock.on("data", (chunk: Buffer) => {
+      // Any byte from the peer on this stream (ACK, NAK, response, part of one) is progress.
+      this.liveness.progress();
+      reader.feed(chunk);
+    });
+    sock.on("drain", () => {
+      this.drainWait = false;
+      this.pump();
+    });
+    sock.on("error", (e) => this.qp.connectionLost(`connection to peer ${peer} failed: ${e.message}`));
+    sock.on("close", () => this.qp.connectionLost("peer closed the connection"));
+  }
+
+  /** The QP reached RTS with its stream attached: send what was posted. */
+  start(): void {
+    this.liveness.progress();
+    this.pump();
+  }
+
+  // ---------------------------------------------------------------- posting
+
+  /** Queues send WR #i (already validated; `len` its message length). Throws RESOURCE_EXHAUSTED when the queue is full. */
+  enqueue(wr: SendWr, i: number, len: number, maxSendWr: number, signalAll: boolean): void {
+    const e = makeEntry(wr, i, len, this.qp.pd, signalAll);
+    if (this.sq.length - this.sqHead >= maxSendWr) {
+      throw new RdmaError("RESOURCE_EXHAUSTED", `work request #${i}: send queue full (${maxSendWr} outstanding)`, { errno: "ENOMEM" });
+    }
+    this.sq.push(e);
+    if (this.qp.state === QpState.ERR) {
+      e.state = ENTRY_DONE;
+      e.status = WcStatus.WR_FLUSH_ERR;
+    }
+  }
+
+  /** After a post (also a partly failed one): send, or flush when the QP is in ERR. */
+  posted(): void {
+    if (this.qp.state === QpState.ERR) this.completeInOrder();
+    else this.pump();
+  }
+
+  // ----------------------------------------------------------- transmission
+
+  private pump(): void {
+    const sock = this.sock;
+    if (this.qp.state !== QpState.RTS || sock === null || this.drainWait || this.rnrWait !== null || this.pendingLocalError) return;
+    // The ACK timer measures from the first request after an idle period, not from the last response.
+    const wasIdle = this.firstSent() === null;
+    // One writev for the whole posted list: the tcp provider's "one doorbell" (per-WR corks nest inside).
+    sock.cork();
+    try {
+      this.pumpLoop(sock);
+    } finally {
+      sock.uncork();
+    }
+    if (this.wrotePending) {
+      this.wrotePending = false;
+      if (wasIdle) this.liveness.progress();
+      this.liveness.arm();
+    }
+    this.completeInOrder();
+  }
+
+  private pumpLoop(sock: net.Socket): void {
+    let wrote = false;
+    while (this.txIdx < this.sq.length) {
+      const e = this.sq[this.txIdx]!;
+      if (e.state === ENTRY_DONE) {
+        this.txIdx++;
+        continue;
+      }
+      const isRd = isReadOrAtomic(e.opcode);
+      // Fence: wait for earlier READs and atomics to finish (their data may feed this WR).
+      if (e.fence && this.outstandingRd > 0) break;
+      if (isRd && this.outstandingRd >= this.maxRdAtomic) break;
+      if (e.opcode === WrOpcode.BIND_MW || e.opcode === WrOpcode.LOCAL_INV) {
+        this.executeLocal(e);
+        this.txIdx++;
+        if (e.status !== WcStatus.SUCCESS) {
+          this.pendingLocalError = e;
+          break;
+        }
+        continue;
+      }
+      if (e.psn < 0) {
+        e.psn = this.nextPsn;
+        this.nextPsn = (this.nextPsn + 1) & PSN_MASK;
+      }
+      if (!this.transmit(sock, e, isRd)) {
+        e.state = ENTRY_DONE;
+        e.status = WcStatus.LOC_PROT_ERR;
+        this.txIdx++;
+        this.pendingLocalError = e;
+        break;
+      }
+      wrote = true;
+      e.state = ENTRY_SENT;
+      this.txIdx++;
+      if (isRd) this.outstandingRd++;
+      if (sock.writableNeedDrain) {
+        this.drainWait = true;
+        break;
+      }
+    }
+    if (wrote) this.wrotePending = true;
+  }
+
+  /** Writes one request; false for a local protection error (an SGE outside registered memory). */
+  private transmit(sock: net.Socket, e: SqEntry, isRd: boolean): boolean {
+    let flags = (e.hasImm ? FrameFlags.IMM : 0) | (e.solicited ? FrameFlags.SOLICITED : 0);
+    const resolved: TcpMr[] = [];
+    if (isRd) {
+      const targets: Uint8Array[] = [];
+      for (const s of e.sges) {
+        const v = localView(this.qp.pd, s, true, resolved);
+        if (v === null) return false;
+        targets.push(v);
+      }
+      e.targets = targets;
+      e.guard = mrsAlive(resolved);
+      this.qp.counters.requests++;
+      if (e.opcode === WrOpcode.RDMA_READ) {
+        const ack = this.takePiggyback(sock);
+        sock.write(encodeHeader(FrameType.READ_REQ, ack >= 0 ? FrameFlags.ACK : 0, e.psn, 0, e.rkey, e.remoteAddr, 0, e.len, 0n, ack >= 0 ? BigInt(ack) : 0n));
+      } else {
+        // An atomic's operand2 is its swap value: no room for an ACK.
+        const op = e.opcode === WrOpcode.ATOMIC_CMP_AND_SWP ? 0 : 1;
+        sock.write(encodeHeader(FrameType.ATOMIC, 0, e.psn, 0, e.rkey, e.remoteAddr, 0, op, e.compareAdd, e.swap));
+      }
+      return true;
+    }
+    const type = e.opcode === WrOpcode.SEND || e.opcode === WrOpcode.SEND_WITH_IMM ? FrameType.SEND : FrameType.WRITE;
+    let views: Uint8Array[] | null = null;
+    if (e.inline === null) {
+      views = [];
+      for (const s of e.sges) {
+        const v = localView(this.qp.pd, s, false, resolved);
+        if (v === null) return false;
+        if (v.length > 0) views.push(v);
+      }
+    }
+    this.qp.counters.requests++;
+    const ack = this.takePiggyback(sock);
+    if (ack >= 0) flags |= FrameFlags.ACK;
+    // Header and payload go out as one writev (cork), the payload straight from the registered memory.
+    sock.cork();
+    sock.write(encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0n, ack >= 0 ? BigInt(ack) : 0n));
+    if (e.inline !== null) {
+      if (e.inline.length > 0) sock.write(e.inline);
+    } else {
+      // Each MR stays allocated until the kernel has copied its bytes, even if deregistered meanwhile.
+      for (let i = 0; i < views!.length; i++) {
+        const mr = resolved[i]!;
+        mr.retainForWrite();
+        sock.write(views![i]!, mr.writeDone);
+      }
+    }
+    sock.uncork();
+    return true;
+  }
+
+  /** BIND_MW and LOCAL_INV run when they reach the head of the queue (nothing goes on the wire). */
+  private executeLocal(e: SqEntry): void {
+    e.state = ENTRY_DONE;
+    if (e.opcode === WrOpcode.BIND_MW) {
+      if (!bindWindow(this.qp, this.qp.pd, e.mw!, e.bindRkey, e.bindMr!, e.bindAddr, e.bindLen, e.bindAccess)) e.status = WcStatus.MW_BIND_ERR;
+      return;
+    }
+    // LOCAL_INV of a type-2 window's rkey
+    if (!invalidateWindow(this.qp, this.qp.pd, e.invalidateRkey)) e.status = WcStatus.LOC_PROT_ERR;
+  }
+
+  // ------------------------------------------------------------- completion
+
+  private completeInOrder(): void {
+    while (this.sqHead < this.sq.length) {
+      const e = this.sq[this.sqHead]!;
+      if (e.state !== ENTRY_DONE) break;
+      this.sqHead++;
+      if (e.signaled || e.status !== WcStatus.SUCCESS) this.qp.sendCq.push(e.wrId, e.status, wcOpcodeOf(e), 0, wcByteLen(e), 0, this.qp.qpNum);
+      if (e.status !== WcStatus.SUCCESS && e.status !== WcStatus.WR_FLUSH_ERR) {
+        if (this.pendingLocalError === e) this.pendingLocalError = null;
+        this.qp.enterError(`work request ${e.wrId} failed with status ${e.status}`, false);
+      }
+    }
+    if (this.ackIdx < this.sqHead) this.ackIdx = this.sqHead;
+    if (this.sqHead > 1024 && this.sqHead * 2 > this.sq.length) {
+      this.sq = this.sq.slice(this.sqHead);
+      this.txIdx -= this.sqHead;
+      this.ackIdx -= this.sqHead;
+      this.sqHead = 0;
+    }
+  }
+
+  /** The oldest transmitted, unfinished entry. */
+  private firstSent(): SqEntry | null {
+    while (this.ackIdx < this.txIdx) {
+      const e = this.sq[this.ackIdx]!;
+      if (e.state === ENTRY_SENT) return e;
+      this.ackIdx++;
+    }
+    return null;
+  }
+
+  /** Everything sent before `psn` that needs no response is acknowledged (a NAK or response implies it). */
+  private ackBefore(psn: number, inclusive: boolean): void {
+    for (let i = this.ackIdx; i < this.txIdx; i++) {
+      const e = this.sq[i]!;
+      if (e.state !== ENTRY_SENT) continue;
+      const before = psnBefore(e.psn, psn) || (inclusive && e.psn === psn);
+      if (!before) break;
+      if (isReadOrAtomic(e.opcode)) {
+        // A response that never came, yet later requests were acknowledged: the responder broke the protocol.
+        this.qp.protocolError("requester", `acknowledgement for PSN ${psn} skips the response to PSN ${e.psn}`);
+        return;
+      }
+      e.state = ENTRY_DONE;
+    }
+  }
+
+  /**
+   * A cumulative ACK piggybacked on one of the peer's requests. It came on the
+   * other stream than the responses, so it may overtake the response to a READ
+   * or atomic: complete up to the first such unanswered entry and remember the
+   * PSN; onResponseDone carries on from there (ackToMark).
+   */
+  onPiggybackedAck(psn: number): void {
+    this.qp.counters.piggybackedAcksReceived++;
+    if (!psnBefore(psn, this.nextPsn)) {
+      return this.qp.protocolError("requester", `piggybacked ACK for PSN ${psn}, which was never sent (next PSN ${this.nextPsn})`, "responder");
+    }
+    this.liveness.progress();
+    if (this.ackMark < 0 || psnBefore(this.ackMark, psn)) this.ackMark = psn;
+    if (!this.ackToMark()) this.qp.counters.piggybackedAcksHeld++;
+    this.completeInOrder();
+    this.pump();
+  }
+
+  /**
+   * Applies ackMark: sent entries up to it are done, stopping at a READ/atomic
+   * whose response has not arrived yet. False when it stopped there (the mark stays).
+   */
+  private ackToMark(): boolean {
+    const mark = this.ackMark;
+    if (mark < 0) return true;
+    for (let i = this.ackIdx; i < this.txIdx; i++) {
+      const e = this.sq[i]!;
+      if (e.state !== ENTRY_SENT) continue;
+      if (psnBefore(mark, e.psn)) break;
+      // Its response is still on the way on the other stream: keep the mark until it is in.
+      if (isReadOrAtomic(e.opcode)) return false;
+      e.state = ENTRY_DONE;
+    }
+    this.ackMark = -1;
+    return true;
+  }
+
+  private onResponseHeader(h: FrameHeader): void {
+    if (this.qp.state !== QpState.RTS) {
+      this.reader?.place(null);
+      return;
+    }
+    if (!psnBefore(h.psn, this.nextPsn)) {
+      const what = h.type === FrameType.ACK ? (h.aux === Syndrome.ACK ? "ACK" : "NAK") : "response";
+      return this.qp.protocolError("requester", `${what} for PSN ${h.psn}, which was never sent (next PSN ${this.nextPsn})`);
+    }
+    this.liveness.progress();
+    switch (h.type) {
+      case FrameType.ACK: {
+        if (h.aux === Syndrome.ACK) {
+          this.ackBefore(h.psn, true);
+          this.completeInOrder();
+          this.pump();
+          return;
+        }
+        this.ackBefore(h.psn, false);
+        if (this.qp.state !== QpState.RTS) return;
+        const e = this.firstSent();
+        if (!e || e.psn !== h.psn) return this.qp.protocolError("requester", `NAK for PSN ${h.psn} that is not outstanding`);
+        if (h.aux === Syndrome.RNR_NAK) return this.onRnrNak(e, Number(h.op2));
+        e.state = ENTRY_DONE;
+        e.status = h.aux === Syndrome.NAK_REM_ACCESS ? WcStatus.REM_ACCESS_ERR : h.aux === Syndrome.NAK_INV_REQ ? WcStatus.REM_INV_REQ_ERR : WcStatus.REM_OP_ERR;
+        this.completeInOrder();
+        return;
+      }
+      case FrameType.READ_RESP:
+      case FrameType.ATOMIC_RESP: {
+        this.ackBefore(h.psn, false);
+        if (this.qp.state !== QpState.RTS) return;
+        const e = this.firstSent();
+        const want = h.type === FrameType.READ_RESP ? WrOpcode.RDMA_READ : -1;
+        if (!e || e.psn !== h.psn || (want >= 0 ? e.opcode !== want : e.opcode !== WrOpcode.ATOMIC_CMP_AND_SWP && e.opcode !== WrOpcode.ATOMIC_FETCH_AND_ADD)) {
+          return this.qp.protocolError("requester", `response for PSN ${h.psn} matches no outstanding request`);
+        }
+        if (h.type === FrameType.READ_RESP) {
+          if (h.payloadLen !== e.len) return this.qp.protocolError("requester", `read response of ${h.payloadLen} bytes for a ${e.len}-byte read`);
+          this.reader!.place(e.targets, e.guard);
+        }
+        this.respTargetEntry = e;
+        return;
+      }
+      default:
+        return this.qp.protocolError("requester", `unexpected frame type ${h.type} on the requester stream`);
+    }
+  }
+
+  private onResponseDone(h: FrameHeader): void {
+    const e = this.respTargetEntry;
+    if (e === null || this.qp.state !== QpState.RTS) return;
+    this.respTargetEntry = null;
+    if (h.type === FrameType.ATOMIC_RESP) {
+      const t = e.targets![0]!;
+      // The original value lands in host byte order (little-endian), as an HCA writes it.
+      new DataView(t.buffer, t.byteOffset, 8).setBigUint64(0, h.op1, true);
+    }
+    e.state = ENTRY_DONE;
+    e.targets = null;
+    this.outstandingRd--;
+    // A piggybacked ACK that overtook this response may now apply past it.
+    this.ackToMark();
+    this.completeInOrder();
+    this.pump();
+  }
+
+  /** A READ's local target was deregistered while the response arrived: local protection error. */
+  private onResponseRevoked(): void {
+    const e = this.respTargetEntry;
+    if (e === null || this.qp.state !== QpState.RTS) return;
+    this.respTargetEntry = null;
+    e.state = ENTRY_DONE;
+    e.status = WcStatus.LOC_PROT_ERR;
+    e.targets = null;
+    this.outstandingRd--;
+    this.completeInOrder();
+  }
+
+  private onRnrNak(e: SqEntry, timerCode: number): void {
+    e.rnrTries++;
+    if (this.rnrRetry !== 7 && e.rnrTries > this.rnrRetry) {
+      e.state = ENTRY_DONE;
+      e.status = WcStatus.RNR_RETRY_EXC_ERR;
+      this.completeInOrder();
+      return;
+    }
+    // Go back N: the responder discards everything after the NAKed PSN; resend from it after the RNR timer.
+    const idx = this.sq.indexOf(e, this.ackIdx);
+    for (let i = idx; i < this.txIdx; i++) {
+      const x = this.sq[i]!;
+      if (x.state === ENTRY_SENT) x.state = ENTRY_QUEUED;
+    }
+    this.txIdx = idx;
+    this.outstandingRd = 0;
+    const ms = rnrTimerMs(timerCode);
+    this.rnrWait = setTimeout(() => {
+      this.rnrWait = null;
+      this.liveness.progress();
+      this.pump();
+    }, ms);
+  }
+
+  // ----------------------------------------------------------------- errors
+
+  /** A malformed response: the oldest outstanding entry reports BAD_RESP_ERR (the QP then enters ERR). */
+  failFirstSent(status: number): void {
+    const e = this.firstSent();
+    if (e) {
+      e.state = ENTRY_DONE;
+      e.status = status;
+    }
+  }
+
+  /** A lost stream: the oldest WR that went out at least once (also one waiting out an RNR timer) reports why. */
+  failOldestStarted(status: number): void {
+    for (let i = this.sqHead; i < this.sq.length; i++) {
+      const e = this.sq[i]!;
+      if (e.state === ENTRY_DONE) continue;
+      if (e.psn >= 0) {
+        e.state = ENTRY_DONE;
+        e.status = status;
+      }
+      return;
+    }
+  }
+
+  /** The QP entered ERR: timers stop and every unfinished WR completes with WR_FLUSH_ERR, in order. */
+  flush(): void {
+    if (this.rnrWait) clearTimeout(this.rnrWait);
+    this.rnrWait = null;
+    this.liveness.stop();
+    this.ackMark = -1;
+    for (let i = this.sqHead; i < this.sq.length; i++) {
+      const e = this.sq[i]!;
+      if (e.state !== ENTRY_DONE) {
+        e.state = ENTRY_DONE;
+        e.status = WcStatus.WR_FLUSH_ERR;
+      }
+    }
+    this.pendingLocalError = null;
+    this.completeInOrder();
+  }
+
+  /** The QP is destroyed: no completions, no timers, no stream. */
+  destroy(): void {
+    if (this.rnrWait) clearTimeout(this.rnrWait);
+    this.rnrWait = null;
+    this.liveness.stop();
+    this.sock?.destroy();
+    this.sock = null;
+    this.sq = [];
+  }
+}

@@ -1,0 +1,489 @@
+/**
+ * The responder half of a tcp QP: the receive queue and the stream the peer
+ * dialed, which carries the peer's requests and this QP's responses.
+ *
+ * Invariants it owns:
+ * - requests are taken strictly in PSN order; after an RNR NAK everything up
+ *   to the NAKed PSN's retransmission is discarded;
+ * - every request is validated at its header, before any payload byte is
+ *   placed: rkey → MR or window of this PD, access flags, bounds to the byte,
+ *   the QP's access flags, 8-byte alignment for atomics; a violation answers
+ *   with the NAK verbs would send and moves the QP to ERR;
+ * - at most `maxDestRdAtomic` READ/atomic responses are outstanding (counted
+ *   as responses the kernel has not taken yet); one more is NAK invalid request;
+ * - ACKs are coalesced: one cumulative ACK per chunk, carried by our next
+ *   request (piggybacked) or sent alone at the end of the event-loop turn, at
+ *   once past ACK_EAGER_REQUESTS; during a long payload a progress ACK at most
+ *   every PROGRESS_INTERVAL_MS;
+ * - back-pressure: while more than RESP_PAUSE_BYTES of responses wait for a
+ *   peer that does not read them, its requests are not read either.
+ */
+import type net from "node:net";
+import { RdmaError } from "../../errors.js";
+import { Access, QpState, WcFlags, WcOpcode, WcStatus, type Sge } from "../types.js";
+import { FrameFlags, FrameType, Syndrome, encodeHeader, type FrameHeader } from "./codec.js";
+import { FrameReader } from "./frame-reader.js";
+import { localView, mrsAlive, type TcpMr } from "./memory.js";
+import { PSN_MASK, type QpCore } from "./qp-core.js";
+
+/**
+ * A piggybacked ACK rides on a request only while the requester stream has at
+ * most this much queued before it: behind a long queue it would reach the peer
+ * later than a standalone ACK on the idle response stream.
+ */
+const PIGGYBACK_MAX_QUEUED = 64 * 1024;
+/**
+ * Many small requests do not wait for the end of the turn: once the ACK owed
+ * covers this many requests it goes out right after the chunk, so a requester
+ * whose whole window arrived in one turn gets it back without a bubble.
+ */
+const ACK_EAGER_REQUESTS = 16;
+/**
+ * While a request payload of at least PROGRESS_MIN_PAYLOAD bytes is arriving,
+ * the responder tells the requester it is alive (a duplicate cumulative ACK,
+ * or the ACK it owes) at most every PROGRESS_INTERVAL_MS: progress restarts
+ * the requester's no-progress timer, so no single transfer is limited in length.
+ */
+const PROGRESS_MIN_PAYLOAD = 1 << 20;
+const PROGRESS_INTERVAL_MS = 4;
+/**
+ * The responder stops reading a peer's requests while more than this many
+ * bytes of its responses wait in user space (the peer does not read them),
+ * and reads again on 'drain'. Bounds what a peer can make us queue.
+ */
+const RESP_PAUSE_BYTES = 1 << 20;
+
+interface RqEntry {
+  wrId: number;
+  sges: Sge[];
+}
+
+export class Responder {
+  private rq: RqEntry[] = [];
+  private rqHead = 0;
+  /** The stream the peer dialed (null until adopted, and after destroy). */
+  sock: net.Socket | null = null;
+  private reader: FrameReader | null = null;
+  private ePsn = 0;
+  private rnrNakPsn = -1;
+  /** Cumulative ACK PSN owed to the peer (-1: none): piggybacked on our next request, or sent alone at the end of the turn. */
+  private ackPending = -1;
+  private ackScheduled = false;
+  /** Requests the owed ACK covers (reset whenever it is sent, carried or implied). */
+  private ackOwedRequests = 0;
+  private curRecv: RqEntry | null = null;
+  private curWriteImm = false;
+  private respDiscard = false;
+  /** When the responder last signalled progress during a long request payload (see PROGRESS_INTERVAL_MS). */
+  private progressAt = 0;
+  /** READ/atomic responses written but not yet handed to the kernel: requests still outstanding at the peer. */
+  private respUnflushed = 0;
+  /** The request stream is paused until the response stream drains. */
+  private respPaused = false;
+  private minRnrTimer = 12;
+  private maxDestRdAtomic = 16;
+  private remoteGuard: (() => boolean) | null = null;
+  private remoteMr: TcpMr | null = null;
+
+  /**
+   * @param access the QP's access flags (which remote operations the peer may target at it).
+   * @param onPiggybackedAck the requester's handler for an ACK a request carried.
+   */
+  constructor(
+    private readonly qp: QpCore,
+    private readonly access: number,
+    private readonly onPiggybackedAck: (psn: number) => void,
+  ) {}
+
+  /** RTR: the peer's first PSN, our RNR timer and responder resources. */
+  configure(peerPsn: number, minRnrTimer: number, maxDestRdAtomic: number): void {
+    this.ePsn = peerPsn;
+    this.minRnrTimer = minRnrTimer;
+    this.maxDestRdAtomic = maxDestRdAtomic;
+  }
+
+  /** Takes the peer's request stream (its HELLO already matched) and starts reading it after `rest`. */
+  attach(sock: net.Socket, rest: Buffer | null): void {
+    this.sock = sock;
+    sock.unref();
+    const reader = new FrameReader(
+      (h) => this.onRequestHeader(h),
+      (h) => this.onRequestDone(h),
+      (reason) => this.qp.protocolError("responder", reason),
+      (h) => this.onRequestRevoked(h),
+    );
+    this.reader = reader;
+    const feed = (chunk: Buffer): void => {
+      reader.feed(chunk);
+      this.scheduleAck();
+      if (reader.payloadLeft > 0) this.signalProgress(reader.h);
+      this.throttleRequests(sock);
+    };
+    sock.on("data", feed);
+    sock.on("drain", () => {
+      if (!this.respPaused) return;
+      this.respPaused = false;
+      if (this.qp.state === QpState.RTS) sock.resume();
+    });
+    sock.on("error", () => {});
+    sock.on("close", () => this.qp.connectionLost("peer closed the connection"));
+    if (rest) feed(rest);
+    sock.resume();
+  }
+
+  // ---------------------------------------------------------- receive queue
+
+  /** Queues receive WR #i (already validated). Throws RESOURCE_EXHAUSTED when the queue is full. */
+  enqueue(wrId: number, sgList: readonly Sge[] | undefined, i: number, maxRecvWr: number): void {
+    const sges = (sgList ?? []).map((s) => ({ addr: s.addr, length: s.length, lkey: s.lkey }));
+    if (this.rq.length - this.rqHead >= maxRecvWr) {
+      throw new RdmaError("RESOURCE_EXHAUSTED", `receive work request #${i}: receive queue full (${maxRecvWr})`, { errno: "ENOMEM" });
+    }
+    if (this.qp.state === QpState.ERR) {
+      this.qp.recvCq.push(wrId, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
+      return;
+    }
+    this.rq.push({ wrId, sges });
+  }
+
+  /** The QP entered ERR: every posted receive completes with WR_FLUSH_ERR. */
+  flush(): void {
+    for (let i = this.rqHead; i < this.rq.length; i++) this.qp.recvCq.push(this.rq[i]!.wrId, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
+    this.rq = [];
+    this.rqHead = 0;
+  }
+
+  destroy(): void {
+    const s = this.sock;
+    this.sock = null;
+    this.rq = [];
+    if (!s || s.destroyed) return;
+    if (s.writableLength === 0) return void s.destroy();
+    // What we queued (the owed ACK, say) still leaves, within a bound.
+    s.end(() => s.destroy());
+    setTimeout(() => s.destroy(), 2000).unref();
+  }
+
+  /**
+   * Requests this side accepted stay acknowledged when the QP leaves RTS (a
+   * NIC ACKs them on arrival): the ACK still owed goes out now. A message the
+   * peer sent just before its CLOSE must complete there, not retry into a
+   * closed stream.
+   */
+  flushOwedAck(): void {
+    if (this.qp.state === QpState.RTS || this.qp.state === QpState.RTR) this.flushAck();
+  }
+
+  // ------------------------------------------------------------------ ACKs
+
+  /**
+   * The ACK owed to the peer, taken for the request header about to be written
+   * (-1: none to carry). Only called right before the header is written, so a
+   * request that does not go out (flow control, RNR wait) never swallows it.
+   */
+  readonly takePiggyback = (sock: net.Socket): number => {
+    const p = this.ackPending;
+    if (p < 0 || sock.writableLength > PIGGYBACK_MAX_QUEUED) return -1;
+    this.clearAckOwed();
+    this.qp.counters.piggybackedAcks++;
+    return p;
+  };
+
+  private respond(type: FrameType, psn: number, aux: number, op1: bigint, op2: bigint, payload: Uint8Array | null, from: TcpMr | null = null): void {
+    const s = this.sock;
+    if (!s || s.destroyed) return;
+    // READ/atomic responses hold a responder resource until the kernel has them (see maxDestRdAtomic).
+    const resource = type === FrameType.READ_RESP || type === FrameType.ATOMIC_RESP;
+    if (resource) this.respUnflushed++;
+    if (payload && payload.length > 0) {
+      s.cork();
+      s.write(encodeHeader(type, 0, psn, payload.length, 0, 0, 0, aux, op1, op2));
+      if (from) {
+        from.retainForWrite();
+        s.write(
+          payload,
+          resource
+            ? () => {
+                from.writeDone();
+                this.respFlushed();
+              }
+            : from.writeDone,
+        );
+      } else s.write(payload, resource ? this.respFlushed : undefined);
+      s.uncork();
+    } else {
+      s.write(encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2), resource ? this.respFlushed : undefined);
+    }
+  }
+
+  private readonly respFlushed = (): void => {
+    this.respUnflushed--;
+  };
+
+  /**
+   * Back-pressure on the responder: while more than RESP_PAUSE_BYTES of
+   * responses and ACKs wait in user space for a peer that does not read them,
+   * its request stream is not read either ('drain' resumes it).
+   */
+  private throttleRequests(sock: net.Socket): void {
+    if (!this.respPaused && sock.writableLength > RESP_PAUSE_BYTES && this.qp.state === QpState.RTS) {
+      this.respPaused = true;
+      this.qp.counters.requestPauses++;
+      sock.pause();
+    }
+  }
+
+  private flushAck(): void {
+    if (this.ackPending >= 0) {
+      const p = this.ackPending;
+      this.clearAckOwed();
+      this.qp.counters.acks++;
+      this.respond(FrameType.ACK, p, Syndrome.ACK, 0n, 0n, null);
+    }
+  }
+
+  private clearAckOwed(): void {
+    this.ackPending = -1;
+    this.ackOwedRequests = 0;
+  }
+
+  /**
+   * After a chunk of requests: the ACK they earned goes out alone at the end
+   * of this event-loop turn, unless a request of ours carries it first
+   * (transmit clears ackPending, so the deferred flush finds nothing). Runs of
+   * small requests (ACK_EAGER_REQUESTS) are acknowledged right after the chunk.
+   */
+  private scheduleAck(): void {
+    if (this.ackPending < 0) return;
+    if (this.ackOwedRequests >= ACK_EAGER_REQUESTS) return this.flushAck();
+    if (this.ackScheduled) return;
+    this.ackScheduled = true;
+    setImmediate(this.ackAtTurnEnd);
+  }
+
+  /**
+   * Mid-payload of a long request: tell the requester we are alive, at most
+   * every PROGRESS_INTERVAL_MS, with the ACK we owe or else a duplicate of the
+   * last cumulative ACK (ePsn - 1: everything before the current request is
+   * placed and its responses are already queued ahead on this stream).
+   */
+  private signalProgress(h: FrameHeader): void {
+    if (this.respDiscard || this.qp.state !== QpState.RTS || h.payloadLen < PROGRESS_MIN_PAYLOAD) return;
+    const now = performance.now();
+    if (now - this.progressAt < PROGRESS_INTERVAL_MS) return;
+    this.progressAt = now;
+    this.qp.counters.progressAcks++;
+    if (this.ackPending >= 0) this.flushAck();
+    else this.respond(FrameType.ACK, (this.ePsn - 1) & PSN_MASK, Syndrome.ACK, 0n, 0n, null);
+  }
+
+  private readonly ackAtTurnEnd = (): void => {
+    this.ackScheduled = false;
+    if (this.qp.state === QpState.RTS) this.flushAck();
+  };
+
+  /** NAK and move the responder to ERR (class C/D errors in IBA terms). */
+  private nak(psn: number, syndrome: number, reason: string): void {
+    this.flushAck();
+    this.respond(FrameType.ACK, psn, syndrome, 0n, 0n, null);
+    this.reader?.place(null);
+    this.respDiscard = true;
+    this.qp.enterError(reason, true);
+  }
+
+  // -------------------------------------------------------------- requests
+
+  /** Resolve a remote access: the bytes, or null after sending the NAK. */
+  private remoteView(h: FrameHeader, len: number, need: number): Uint8Array | null {
+    if (len === 0) return new Uint8Array(0);
+    const t = this.qp.pd.device.keys.get(h.rkey);
+    let view: Uint8Array | null = null;
+    this.remoteGuard = null;
+    this.remoteMr = null;
+    if (t && t.pd === this.qp.pd) {
+      if ("lkey" in t) {
+        const off = h.raddr - t.addr;
+        if (!t.deregistered && t.access & need && off >= 0 && off + len <= t.length) {
+          view = t.view.subarray(off, off + len);
+          this.remoteMr = t;
+          this.remoteGuard = () => !t.deregistered;
+        }
+      } else if (t.mr && (t.type === 1 || t.qp === this.qp) && t.access & need && h.raddr >= t.addr && h.raddr + len <= t.addr + t.length) {
+        const off = h.raddr - t.mr.addr;
+        view = t.mr.view.subarray(off, off + len);
+        const mr = t.mr;
+        this.remoteMr = mr;
+        const key = h.rkey;
+        // The window may be invalidated or its MR deregistered mid-payload.
+        this.remoteGuard = () => !mr.deregistered && t.rkey === key;
+      }
+    }
+    if (view === null) this.nak(h.psn, Syndrome.NAK_REM_ACCESS, `remote access denied: rkey 0x${h.rkey.toString(16)} [0x${h.raddr.toString(16)}, +${len})`);
+    return view;
+  }
+
+  private takeRecv(h: FrameHeader, len: number): RqEntry | null | "rnr" {
+    if (this.rqHead >= this.rq.length) {
+      // Receiver not ready: NAK with our RNR timer; the requester resends from this PSN.
+      this.flushAck();
+      this.respond(FrameType.ACK, h.psn, Syndrome.RNR_NAK, 0n, BigInt(this.minRnrTimer), null);
+      this.rnrNakPsn = h.psn;
+      this.reader?.place(null);
+      return "rnr";
+    }
+    const r = this.rq[this.rqHead++]!;
+    if (this.rqHead > 1024 && this.rqHead * 2 > this.rq.length) {
+      this.rq = this.rq.slice(this.rqHead);
+      this.rqHead = 0;
+    }
+    let cap = 0;
+    for (const s of r.sges) cap += s.length;
+    if (len > cap) {
+      this.qp.recvCq.push(r.wrId, WcStatus.LOC_LEN_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
+      this.nak(h.psn, Syndrome.NAK_INV_REQ, `a ${len}-byte message does not fit the ${cap}-byte receive buffer`);
+      return null;
+    }
+    return r;
+  }
+
+  private onRequestHeader(h: FrameHeader): void {
+    const reader = this.reader!;
+    // The ACK for our own requests counts even when the request carrying it is discarded (RNR, ERR).
+    if (h.flags & FrameFlags.ACK && this.qp.state === QpState.RTS) this.onPiggybackedAck(Number(h.op2));
+    if (this.qp.state !== QpState.RTS) {
+      reader.place(null);
+      this.respDiscard = true;
+      return;
+    }
+    if (this.rnrNakPsn >= 0) {
+      if (h.psn !== this.rnrNakPsn) {
+        reader.place(null);
+        this.respDiscard = true;
+        return;
+      }
+      this.rnrNakPsn = -1;
+    }
+    if (h.psn !== this.ePsn) return this.qp.protocolError("responder", `PSN ${h.psn} out of sequence (expected ${this.ePsn})`);
+    this.respDiscard = false;
+    if (h.payloadLen >= PROGRESS_MIN_PAYLOAD) this.progressAt = performance.now();
+    this.curRecv = null;
+    this.curWriteImm = false;
+    switch (h.type) {
+      case FrameType.SEND: {
+        const r = this.takeRecv(h, h.payloadLen);
+        if (r === "rnr") {
+          this.respDiscard = true;
+          return;
+        }
+        if (r === null) return;
+        const targets: Uint8Array[] = [];
+        let left = h.payloadLen;
+        const resolved: TcpMr[] = [];
+        for (const s of r.sges) {
+          if (left === 0) break;
+          const v = localView(this.qp.pd, s, true, resolved);
+          if (v === null) {
+            this.qp.recvCq.push(r.wrId, WcStatus.LOC_PROT_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
+            return this.nak(h.psn, Syndrome.NAK_REM_OP, "receive buffer is not inside a registered MR with LOCAL_WRITE");
+          }
+          const take = Math.min(left, v.length);
+          targets.push(take === v.length ? v : v.subarray(0, take));
+          left -= take;
+        }
+        this.curRecv = r;
+        reader.place(targets, mrsAlive(resolved));
+        return;
+      }
+      case FrameType.WRITE: {
+        if (!(this.access & Access.REMOTE_WRITE)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote write");
+        const v = this.remoteView(h, h.payloadLen, Access.REMOTE_WRITE);
+        if (v === null) return;
+        if (h.flags & FrameFlags.IMM) {
+          const r = this.takeRecv(h, 0);
+          if (r === "rnr") {
+            this.respDiscard = true;
+            return;
+          }
+          if (r === null) return;
+          this.curRecv = r;
+          this.curWriteImm = true;
+        }
+        reader.place([v], this.remoteGuard);
+        return;
+      }
+      case FrameType.READ_REQ: {
+        if (!this.responderResource(h)) return;
+        if (!(this.access & Access.REMOTE_READ)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote read");
+        const v = this.remoteView(h, h.aux, Access.REMOTE_READ);
+        if (v === null) return;
+        // The response acknowledges everything before it.
+        this.clearAckOwed();
+        this.respond(FrameType.READ_RESP, h.psn, 0, 0n, 0n, v, this.remoteMr);
+        return;
+      }
+      case FrameType.ATOMIC: {
+        if (!this.responderResource(h)) return;
+        if (!(this.access & Access.REMOTE_ATOMIC)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote atomics");
+        // IBA: atomics need an 8-byte aligned target; rxe answers a misaligned one with NAK invalid request.
+        if (h.raddr % 8 !== 0) return this.nak(h.psn, Syndrome.NAK_INV_REQ, `atomic target 0x${h.raddr.toString(16)} is not 8-byte aligned`);
+        const v = this.remoteView(h, 8, Access.REMOTE_ATOMIC);
+        if (v === null) return;
+        const dv = new DataView(v.buffer, v.byteOffset, 8);
+        const orig = dv.getBigUint64(0, true);
+        if (h.aux === 0) {
+          if (orig === h.op1) dv.setBigUint64(0, h.op2, true);
+        } else dv.setBigUint64(0, BigInt.asUintN(64, orig + h.op1), true);
+        this.clearAckOwed();
+        this.respond(FrameType.ATOMIC_RESP, h.psn, 0, orig, 0n, null);
+        return;
+      }
+      default:
+        return this.qp.protocolError("responder", `unexpected frame type ${h.type} on the responder stream`);
+    }
+  }
+
+  /**
+   * IBA: a requester may have at most the responder's maxDestRdAtomic READs
+   * and atomics outstanding; more is a class C error (NAK invalid request,
+   * REM_INV_REQ_ERR at the requester, both QPs to ERR), as rxe answers
+   * RESPST_ERR_TOO_MANY_RDMA_ATM_REQ. A response the kernel has not taken yet
+   * cannot have reached the requester, so its request is certainly still
+   * outstanding there: counting those never refuses a requester within the limit.
+   */
+  private responderResource(h: FrameHeader): boolean {
+    if (this.respUnflushed < this.maxDestRdAtomic) return true;
+    this.nak(
+      h.psn,
+      Syndrome.NAK_INV_REQ,
+      this.maxDestRdAtomic === 0
+        ? "RDMA READ/atomic request, but this QP has no responder resources (maxDestRdAtomic 0)"
+        : `more RDMA READ/atomic requests outstanding than maxDestRdAtomic ${this.maxDestRdAtomic} (${this.respUnflushed} responses not yet taken by the peer)`,
+    );
+    return false;
+  }
+
+  /** The target of an incoming WRITE/SEND went away mid-payload: remote access error, as an HCA would answer. */
+  private onRequestRevoked(h: FrameHeader): void {
+    if (this.respDiscard || this.qp.state !== QpState.RTS) return;
+    if (this.curRecv) this.qp.recvCq.push(this.curRecv.wrId, WcStatus.LOC_PROT_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
+    this.curRecv = null;
+    this.nak(h.psn, h.type === FrameType.SEND ? Syndrome.NAK_REM_OP : Syndrome.NAK_REM_ACCESS, "target memory was deregistered while its data arrived");
+  }
+
+  private onRequestDone(h: FrameHeader): void {
+    if (this.respDiscard || this.qp.state !== QpState.RTS) return;
+    this.ePsn = (this.ePsn + 1) & PSN_MASK;
+    const r = this.curRecv;
+    if (r !== null) {
+      this.curRecv = null;
+      const imm = h.flags & FrameFlags.IMM ? h.imm : 0;
+      const flags = h.flags & FrameFlags.IMM ? WcFlags.WITH_IMM : 0;
+      const op = this.curWriteImm ? WcOpcode.RECV_RDMA_WITH_IMM : WcOpcode.RECV;
+      this.qp.recvCq.push(r.wrId, WcStatus.SUCCESS, op, flags, h.payloadLen, imm, this.qp.qpNum);
+    }
+    if (h.type === FrameType.SEND || h.type === FrameType.WRITE) {
+      this.ackPending = h.psn;
+      this.ackOwedRequests++;
+    }
+  }
+}
