@@ -13,7 +13,7 @@
  * connect/accept and drives INIT → RTR → RTS with {@link CmId.initQpAttr}.
  */
 import { RdmaError } from "../../errors.js";
-import { nativeError } from "./device.js";
+import { nativeError } from "./errors.js";
 import { loadCmAddon, type CmIdHandle, type NativeCmAddon, type NativeCmConnParam, type NativeCmInfo, type NativeCmQpAttr } from "./native.js";
 
 /** enum rdma_cm_event_type */
