@@ -20,6 +20,12 @@
  * ids are napi externals: their rdma_cm_id is destroyed explicitly, by the
  * handle's finalizer, or at environment teardown (ids first, then the
  * channel); the wrapper's memory goes with the handle.
+ *
+ * Nothing here blocks the event loop: the channel's fd is O_NONBLOCK and is
+ * read until EAGAIN, and rdma_destroy_id (which waits until every event it
+ * reported for the id is acknowledged) never waits, since no event stays
+ * unacknowledged past channel_ready. At teardown the watcher is stopped (it
+ * leaves epoll) before the channel's fd is closed.
  */
 #define _GNU_SOURCE
 #include <node_api.h>
@@ -711,24 +717,28 @@ static void poll_closed(uv_handle_t *h) {
 static void teardown(napi_async_cleanup_hook_handle hook, void *arg) {
   cm_state_t *st = arg;
   st->tearing_down = 1;
+  /* ids first (rdma_destroy_id discards their unread events), then the
+   * watcher: stopped and closing, so its fd leaves epoll while it is still
+   * open (closed first, the number could be reused by then and the wrong
+   * file dropped from epoll, or watched), then the channel and its fd. The
+   * hook is done when the handle's close callback has run. */
   while (st->ids) {
     cm_id_t *c = st->ids;
     id_destroy(c);
+  }
+  uv_poll_t *p = st->poll;
+  st->poll = NULL;
+  if (p) {
+    uv_poll_stop(p);
+    p->data = st;
+    st->hook = hook;
+    uv_close((uv_handle_t *)p, poll_closed);
   }
   if (st->ch) {
     rdma_destroy_event_channel(st->ch);
     st->ch = NULL;
   }
-  if (st->poll) {
-    uv_poll_t *p = st->poll;
-    st->poll = NULL;
-    uv_poll_stop(p);
-    p->data = st;
-    st->hook = hook;
-    uv_close((uv_handle_t *)p, poll_closed);
-  } else {
-    napi_remove_async_cleanup_hook(hook);
-  }
+  if (!p) napi_remove_async_cleanup_hook(hook);
 }
 
 NAPI_MODULE_INIT() {

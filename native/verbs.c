@@ -7,17 +7,32 @@
  *
  * Lifetimes: every object is reference counted: one reference for its JS
  * handle, one for every object that depends on it (MR/MW/QP -> PD, QP -> CQs,
- * PD/CQ -> Context). The verbs resource is released either explicitly
- * (destroy/dealloc/dereg, which report verbs' errors such as EBUSY) or when
- * the last reference goes, so JS may release handles, or the GC collect them,
- * in any order. Closing a context, and the environment's cleanup hook, tear
- * down everything in dependency order: windows, QPs, MRs, CQs, PDs, context.
- * Type-2 windows bound through a QP are deallocated before that QP is
- * destroyed (rxe otherwise holds the QP and process exit stalls ~50 s).
+ * PD/CQ -> Context), which is the order rdma-core needs them destroyed in.
+ * The verbs resource is released either explicitly (destroy/dealloc/dereg,
+ * which report verbs' errors such as EBUSY) or when the last reference goes,
+ * so JS may release handles, or the GC collect them, in any order. A released
+ * object drops its references at once (its memory stays until its handle is
+ * collected, and never looks at its context again). Closing a context, and the
+ * environment's cleanup hook, tear down everything on it in dependency order:
+ * windows, QPs, MRs, CQs, PDs, context; the closer holds a reference on the
+ * context for the whole walk, because the children it destroys drop theirs
+ * (the context's handle may be collected already). Type-2 windows bound
+ * through a QP are deallocated before that QP is destroyed (rxe otherwise
+ * holds the QP and process exit stalls ~50 s). A CQ destroyed while armed
+ * drops the arming's strong reference to its handler (which may close over
+ * the CQ's own handle: a cycle the GC could never collect).
  * Provider-allocated MR memory is reference counted on its own (mem_t: the
- * registration, the MR's ArrayBuffer, every alias buffer): deregMr detaches
- * the ArrayBuffer and all aliases, and the memory is freed with the last
- * reference, so no JS view can outlive it.
+ * registration, the MR's ArrayBuffer, every alias buffer, and every
+ * registration over it by regMrUser): deregMr detaches the ArrayBuffer and
+ * all aliases, and the memory is freed with the last reference, so neither a
+ * JS view nor a registration (which the device may still DMA into) can
+ * outlive it.
+ *
+ * Nothing here blocks the event loop: every event channel (CQ completion
+ * channels, the device's async-event fd) is O_NONBLOCK and is read only until
+ * EAGAIN; every event read is acknowledged before the callback returns, so
+ * ibv_destroy_cq / ibv_destroy_qp (which wait until every event they
+ * reported is acknowledged) return at once.
  *
  * Hot path: work requests are encoded by TypeScript into a shared
  * ArrayBuffer (layout in src/transport/verbs/codec.ts, mirrored below) and
@@ -87,12 +102,19 @@ struct obj {
   obj_t *prev, *next; /* in ctx->lists[kind] while not destroyed */
 };
 
+typedef struct mem mem_t;
+
 struct state {
   napi_env env;
   ctx_t *ctxs;
+  mem_t *mems; /* live provider-allocated memory (regMrUser looks buffers up here) */
   int tearing_down;
   int pending_closes;
   napi_async_cleanup_hook_handle hook;
+  /* for tests (debugLive): native objects not yet freed, by kind; live JS handles */
+  long live[K_COUNT];
+  long live_mems;
+  long handles;
 };
 
 struct ctx {
@@ -145,12 +167,14 @@ typedef struct alias alias_t;
  * registration, the MR's external ArrayBuffer, and one per alias buffer
  * (aliasMr). So memory outlives every JS view of it, whatever the order in
  * which the MR is deregistered, its handle collected, or its device closed. */
-typedef struct {
+struct mem {
   void *ptr;
   size_t len;        /* registered length (aliases stay inside it) */
   int refs;
   alias_t *aliases;  /* alias buffers not yet finalized; deregMr detaches them */
-} mem_t;
+  state_t *st;
+  mem_t *prev, *next; /* in st->mems */
+};
 
 /* An external ArrayBuffer over part of an MR's memory (MemoryRegion.aliasBuffer). */
 struct alias {
@@ -165,6 +189,7 @@ typedef struct {
   pd_t *pd;
   struct ibv_mr *mr;
   mem_t *mem;       /* provider-allocated memory, or NULL */
+  mem_t *covers;    /* regMrUser over provider memory (a grant over a slab): held until deregistration */
   napi_ref ab;      /* owned: weak ref to the external ArrayBuffer; user memory: strong ref */
 } mr_t;
 
@@ -181,6 +206,7 @@ static void obj_unref(obj_t *o);
 static void list_add(obj_t *o) {
   obj_t **head = &o->ctx->lists[o->kind];
   o->st = o->ctx->st;
+  o->st->live[o->kind]++;
   o->prev = NULL;
   o->next = *head;
   if (*head) (*head)->prev = o;
@@ -219,9 +245,24 @@ static void poll_close(state_t *st, uv_poll_t **pp) {
 
 static void mem_unref(mem_t *m) {
   if (--m->refs == 0) {
+    state_t *st = m->st;
+    if (m->prev) m->prev->next = m->next;
+    else if (st->mems == m) st->mems = m->next;
+    if (m->next) m->next->prev = m->prev;
+    st->live_mems--;
     free(m->ptr);
     free(m);
   }
+}
+
+/* The live provider memory that holds [p, p+len) entirely, or NULL. */
+static mem_t *mem_find(state_t *st, const void *p, size_t len) {
+  uintptr_t a = (uintptr_t)p;
+  for (mem_t *m = st->mems; m; m = m->next) {
+    uintptr_t b = (uintptr_t)m->ptr;
+    if (a >= b && a - b <= m->len && len <= m->len - (a - b)) return m;
+  }
+  return NULL;
 }
 
 static void mw_unlink_qp(mw_t *w) {
@@ -255,6 +296,7 @@ static int obj_destroy(obj_t *o, int force) {
       mw_unlink_qp(w);
       list_del(o);
       o->destroyed = 1;
+      o->ctx = NULL;
       obj_unref(&w->pd->h);
       return err;
     }
@@ -265,6 +307,7 @@ static int obj_destroy(obj_t *o, int force) {
       if (err && !force) return err;
       list_del(o);
       o->destroyed = 1;
+      o->ctx = NULL;
       free(q->swr);
       free(q->ssge);
       free(q->rwr);
@@ -283,8 +326,15 @@ static int obj_destroy(obj_t *o, int force) {
       if (err && !force) return err;
       list_del(o);
       o->destroyed = 1;
+      o->ctx = NULL;
       /* m->mem (the registration's reference) is kept until deregMr or obj_free,
-       * so a deregMr after the device closed still detaches every view. */
+       * so a deregMr after the device closed still detaches every view. The
+       * memory a user registration covered is no longer the device's. */
+      if (m->covers) {
+        mem_t *c = m->covers;
+        m->covers = NULL;
+        mem_unref(c);
+      }
       obj_unref(&m->pd->h);
       return err;
     }
@@ -296,11 +346,19 @@ static int obj_destroy(obj_t *o, int force) {
       }
       err = ibv_destroy_cq(c->cq);
       if (err && !force) return err;
-      poll_close(o->ctx->st, &c->poll);
+      /* The watcher stops (and leaves epoll) before the channel's fd closes. */
+      poll_close(o->st, &c->poll);
       if (c->ch) ibv_destroy_comp_channel(c->ch);
       c->ch = NULL;
+      if (c->armed) {
+        /* No notification can come any more: the handler goes weak again. */
+        c->armed = 0;
+        uint32_t rc;
+        if (!o->st->tearing_down) napi_reference_unref(o->st->env, c->on_notify, &rc);
+      }
       list_del(o);
       o->destroyed = 1;
+      o->ctx = NULL;
       obj_unref(&c->owner->h);
       return err;
     }
@@ -310,10 +368,13 @@ static int obj_destroy(obj_t *o, int force) {
       if (err && !force) return err;
       list_del(o);
       o->destroyed = 1;
+      o->ctx = NULL;
       obj_unref(&p->owner->h);
       return err;
     }
     case K_CTX: {
+      /* Callers that may not own a reference (ctx_close, teardown) go through
+       * ctx_close_held; from obj_unref the lists are empty (children hold it). */
       ctx_t *c = (ctx_t *)o;
       static const enum kind order[] = {K_MW, K_QP, K_MR, K_CQ, K_PD};
       for (size_t i = 0; i < sizeof order / sizeof order[0]; i++)
@@ -339,11 +400,13 @@ static void obj_free(obj_t *o) {
   state_t *st = o->st;
   napi_env env = st->env;
   int live = !st->tearing_down;
+  st->live[o->kind]--;
   switch (o->kind) {
     case K_MR: {
       mr_t *m = (mr_t *)o;
       if (m->ab && live) napi_delete_reference(env, m->ab);
       if (m->mem) mem_unref(m->mem);
+      if (m->covers) mem_unref(m->covers);
       break;
     }
     case K_CQ: {
@@ -374,10 +437,23 @@ static void obj_unref(obj_t *o) {
   obj_free(o);
 }
 
+/* Closes a context and everything on it, holding a reference across the
+ * walk: each child destroyed drops its reference on the context, and when the
+ * context's JS handle is already collected (GC order, or the environment's
+ * teardown) one of them would otherwise free it while the walk still reads
+ * its lists. */
+static void ctx_close_held(ctx_t *c) {
+  c->h.refs++;
+  obj_destroy(&c->h, 1);
+  obj_unref(&c->h);
+}
+
 static void handle_finalize(napi_env env, void *data, void *hint) {
   (void)env;
   (void)hint;
-  obj_unref((obj_t *)data);
+  obj_t *o = data;
+  o->st->handles--;
+  obj_unref(o);
 }
 
 /* ------------------------------------------------------------------ errors */
@@ -468,6 +544,7 @@ static void set(napi_env env, napi_value o, const char *k, napi_value v) { napi_
 static napi_value make_handle(napi_env env, obj_t *o) {
   napi_value v;
   if (napi_create_external(env, o, handle_finalize, NULL, &v) != napi_ok) return NULL;
+  o->st->handles++;
   return v;
 }
 
@@ -625,6 +702,7 @@ static napi_value ctx_open(napi_env env, napi_callback_info info) {
   c->h.refs = 1;
   c->h.ctx = c;
   c->h.st = st;
+  st->live[K_CTX]++;
   c->st = st;
   c->ibv = ibv;
   c->snext = st->ctxs;
@@ -657,7 +735,7 @@ static napi_value ctx_close(napi_env env, napi_callback_info info) {
   ARGS(1);
   ctx_t *c = (ctx_t *)get_obj(env, argv[0], K_CTX, 0);
   if (!c) return NULL;
-  obj_destroy(&c->h, 1);
+  ctx_close_held(c);
   return NULL;
 }
 
@@ -888,6 +966,11 @@ static napi_value mr_reg(napi_env env, napi_callback_info info) {
   mem->ptr = ptr;
   mem->len = len;
   mem->refs = 1; /* the registration */
+  mem->st = p->h.st;
+  mem->next = mem->st->mems;
+  if (mem->next) mem->next->prev = mem;
+  mem->st->mems = mem;
+  mem->st->live_mems++;
   m->mem = mem;
   napi_value ab, h, res;
   if (napi_create_external_arraybuffer(env, ptr, len, mem_ab_finalize, mem, &ab) != napi_ok) {
@@ -933,6 +1016,13 @@ static napi_value mr_reg_user(napi_env env, napi_callback_info info) {
     ibv_dereg_mr(mr);
     return throw_errno(env, "calloc", ENOMEM);
   }
+  /* Memory of this addon (an MR's ArrayBuffer or an alias of it: a grant over
+   * a slab): the ArrayBuffer can be detached (deregMr of the slab, detachBuffer)
+   * and then frees nothing it holds, so the registration holds the memory
+   * itself until it is deregistered. Other memory is held by the strong
+   * reference to its ArrayBuffer. */
+  m->covers = mem_find(p->h.st, ptr, (size_t)dlen);
+  if (m->covers) m->covers->refs++;
   napi_create_reference(env, argv[1], 1, &m->ab);
   napi_value h = make_handle(env, &m->h), res;
   if (!h) {
@@ -1163,13 +1253,8 @@ static napi_value cq_destroy(napi_env env, napi_callback_info info) {
   ARGS(1);
   cq_t *q = (cq_t *)get_obj(env, argv[0], K_CQ, 0);
   if (!q || q->h.destroyed || q->h.ctx->h.destroyed) return NULL;
-  int e = obj_destroy(&q->h, 0);
+  int e = obj_destroy(&q->h, 0); /* also drops the arming's reference */
   if (e) return throw_errno(env, "ibv_destroy_cq", e);
-  if (q->armed) {
-    uint32_t rc;
-    q->armed = 0;
-    napi_reference_unref(env, q->on_notify, &rc);
-  }
   return NULL;
 }
 
@@ -1618,11 +1703,39 @@ static void teardown(napi_async_cleanup_hook_handle hook, void *arg) {
   state_t *st = arg;
   st->tearing_down = 1;
   st->hook = hook;
-  while (st->ctxs) obj_destroy(&st->ctxs->h, 1);
+  while (st->ctxs) ctx_close_held(st->ctxs);
   if (st->pending_closes == 0) {
     st->hook = NULL;
     napi_remove_async_cleanup_hook(hook);
   }
+}
+
+/* debugLive() -> { device, pd, cq, qp, mr, mw, memory, handles }: native
+ * objects not yet freed, provider memory blocks not yet freed, JS handles not
+ * yet collected (for tests of lifetimes). */
+static napi_value debug_live(napi_env env, napi_callback_info info) {
+  (void)info;
+  state_t *st;
+  CHECK(napi_get_instance_data(env, (void **)&st));
+  static const char *names[K_COUNT] = {NULL, "device", "pd", "cq", "qp", "mr", "mw"};
+  napi_value o;
+  napi_create_object(env, &o);
+  for (int k = K_CTX; k < K_COUNT; k++) set(env, o, names[k], num(env, (double)st->live[k]));
+  set(env, o, "memory", num(env, (double)st->live_mems));
+  set(env, o, "handles", num(env, (double)st->handles));
+  return o;
+}
+
+/* debugMemRefs(addr, length) -> references on the provider memory block holding
+ * [addr, addr+length) (0: none, or freed). */
+static napi_value debug_mem_refs(napi_env env, napi_callback_info info) {
+  ARGS(2);
+  state_t *st;
+  CHECK(napi_get_instance_data(env, (void **)&st));
+  double a, l;
+  if (get_f64(env, argv[0], &a) || get_f64(env, argv[1], &l) || !addr_ok(a) || !(l >= 0)) return throw_arg(env, "bad address or length");
+  mem_t *m = mem_find(st, (const void *)(uintptr_t)a, (size_t)l);
+  return num(env, m ? m->refs : 0);
 }
 
 static napi_value errno_name_js(napi_env env, napi_callback_info info) {
@@ -1647,6 +1760,7 @@ NAPI_MODULE_INIT() {
       {"deregMr", mr_dereg}, {"aliasMr", mr_alias}, {"detachBuffer", buffer_detach}, {"allocMw", mw_alloc}, {"deallocMw", mw_dealloc}, {"createCq", cq_create}, {"destroyCq", cq_destroy},
       {"reqNotifyCq", cq_req_notify}, {"keepAliveCq", cq_keep_alive}, {"pollCq", cq_poll}, {"createQp", qp_create}, {"connectQp", qp_connect}, {"setQpError", qp_set_error},
       {"queryQpState", qp_state}, {"destroyQp", qp_destroy}, {"postSend", qp_post_send}, {"postRecv", qp_post_recv}, {"errnoName", errno_name_js},
+      {"debugLive", debug_live}, {"debugMemRefs", debug_mem_refs},
   };
   for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
     napi_value f;

@@ -6,7 +6,10 @@
 # Any ASan/UBSan report aborts that process and fails the run.
 #
 # Usage: scripts/softroce/memcheck.sh [single|veth ...] [-- test filters...]
-#   default: layout single, filters "conformance verbs/"
+#   default: layout single, filters "conformance verbs/" (test/verbs/ holds the
+#   lifetime cases: native-lifetime.test.js runs each of its scenarios in a
+#   child process and worker threads, which inherit LD_PRELOAD and the
+#   instrumented addons through the environment, so their reports fail the run)
 # Env: MEMCHECK_KEEP_BUILD=1 keeps build-asan/ afterwards (default: removed).
 #
 # Why ASan and not valgrind: under TCG emulation node alone is 4-7x slower;

@@ -13,7 +13,7 @@
  * connect/accept and drives INIT → RTR → RTS with {@link CmId.initQpAttr}.
  */
 import { RdmaError } from "../../errors.js";
-import { nativeError } from "./device.js";
+import { nativeError } from "./errors.js";
 import { loadCmAddon, type CmIdHandle, type NativeCmAddon, type NativeCmConnParam } from "./native.js";
 import { CmEventType, type CmConnParam, type CmConnectParams, type CmEvent, type CmId as SeamCmId, type CmInfo, type CmQpAttr, type RdmaCm } from "../types.js";
 

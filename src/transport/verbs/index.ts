@@ -5,7 +5,8 @@
 import { RdmaError } from "../../errors.js";
 import type { Device, DeviceInfo, Provider } from "../types.js";
 import { checkLayout } from "./codec.js";
-import { VerbsDevice, nativeError } from "./device.js";
+import { VerbsDevice } from "./device.js";
+import { nativeError } from "./errors.js";
 import { loadAddon, type NativeAddon } from "./native.js";
 import { rdmaCm } from "./cm.js";
 

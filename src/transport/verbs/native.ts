@@ -95,7 +95,12 @@ export interface NativeAddon {
   deallocPd(pd: PdHandle): void;
   /** Page-aligned zeroed memory, registered: [handle, external ArrayBuffer, addr, lkey, rkey]. */
   regMr(pd: PdHandle, length: number, access: number): [MrHandle, ArrayBuffer, number, number, number];
-  /** The caller's memory (kept alive by the MR): [handle, addr, lkey, rkey]. */
+  /**
+   * The caller's memory (kept alive by the MR until it is deregistered; when
+   * it is this addon's own memory, e.g. a range of another MR's buffer, the
+   * memory itself is held, so detaching that buffer frees nothing under the
+   * registration): [handle, addr, lkey, rkey].
+   */
   regMrUser(pd: PdHandle, buffer: ArrayBuffer, offset: number, length: number, access: number): [MrHandle, number, number, number];
   /** ibv_dereg_mr; provider-allocated memory's ArrayBuffer and all its alias buffers are detached. */
   deregMr(mr: MrHandle): void;
@@ -174,6 +179,27 @@ export interface NativeAddon {
   postSend(qp: QpHandle, buf: ArrayBuffer, count: number, objs: readonly (MwHandle | MrHandle)[] | undefined): number;
   postRecv(qp: QpHandle, buf: ArrayBuffer, count: number): number;
   errnoName(errno: number): string;
+  /**
+   * For tests of lifetimes: native objects not yet freed (by kind),
+   * provider-allocated memory blocks not yet freed, and handles not yet
+   * collected, in this environment.
+   */
+  debugLive(): NativeLiveCounts;
+  /** For tests: references held on the provider memory block that holds [addr, addr+length) (0: none, or freed). */
+  debugMemRefs(addr: number, length: number): number;
+}
+
+export interface NativeLiveCounts {
+  device: number;
+  pd: number;
+  cq: number;
+  qp: number;
+  mr: number;
+  mw: number;
+  /** provider-allocated memory blocks (regMr) */
+  memory: number;
+  /** native handles (JS externals) not yet collected */
+  handles: number;
 }
 
 /** postSend/postRecv results other than an errno. */
