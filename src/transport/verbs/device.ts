@@ -4,6 +4,7 @@
  * Arguments are validated here and every failure is an RdmaError; native
  * errors carry their errno name (errors.ts).
  */
+import { validateMrAccess } from "../validate.js";
 import { markAsUntransferable } from "node:worker_threads";
 import { RdmaError, checkInt } from "../../errors.js";
 import {
@@ -214,10 +215,7 @@ export class VerbsPd implements ProtectionDomain, QpPd {
 
   registerMr(memory: number | ArrayBuffer, access: number, offset = 0, length?: number): MemoryRegion {
     this.checkOpen();
-    checkInt("access", access, 0, 31);
-    if (access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) && !(access & Access.LOCAL_WRITE)) {
-      throw new RdmaError("INVALID_ARGUMENT", "remote write or atomic access requires LOCAL_WRITE (verbs refuses it with EINVAL)", { errno: "EINVAL" });
-    }
+    validateMrAccess(access);
     const addon = this.device.addon;
     const maxLen = Math.min(this.device.attr.maxMrSize, Number.MAX_SAFE_INTEGER);
     try {

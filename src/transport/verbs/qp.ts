@@ -24,6 +24,7 @@ import {
   type Sge,
 } from "../types.js";
 import { RECV_WR_BYTES, SEND_WR_BYTES, WrBuffer } from "./codec.js";
+import { validateRecvWr, validateSendWr } from "../validate.js";
 import { VerbsCq, type CqDevice } from "./cq.js";
 import { errnoError, nativeError } from "./errors.js";
 import { VerbsMr, VerbsMw, type MrDevice, type MrPd, type WindowQp } from "./mr.js";
@@ -280,6 +281,8 @@ export class VerbsQp implements QueuePair, WindowQp {
   /** Validates and encodes WR `wr` as record k; returns the (possibly created) handle array for BIND_MW. */
   private encodeSend(buf: WrBuffer, k: number, wr: SendWr, i: number, sgeAt: number, objs: (MwHandle | MrHandle)[] | undefined): (MwHandle | MrHandle)[] | undefined {
     if (!wr || typeof wr !== "object" || typeof wr.wrId !== "number") throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: wrId must be a number`);
+    // The rules every provider applies the same way (transport/validate.ts), then what only verbs needs.
+    validateSendWr(wr, i, this.caps);
     const op = wr.opcode;
     if (typeof op !== "number" || !Number.isInteger(op) || op < 0 || op > WrOpcode.BIND_MW) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: unknown opcode ${String(op)}`);
     const flags = wr.flags ?? 0;
@@ -364,6 +367,7 @@ export class VerbsQp implements QueuePair, WindowQp {
         const wr = wrs[base + k]!;
         try {
           if (!wr || typeof wr !== "object" || typeof wr.wrId !== "number") throw new RdmaError("INVALID_ARGUMENT", `receive work request #${base + k}: wrId must be a number`);
+          validateRecvWr(wr, base + k, this.caps);
           const c = this.encodeSges(buf, wr.sgList, this.caps.maxRecvSge, base + k, sge);
           buf.recv(k, wr.wrId, sge, c);
           sge += c;
