@@ -25,5 +25,7 @@ if (chosen.length === 0) {
   process.exit(1);
 }
 const concurrency = process.env.TEST_CONCURRENCY ?? "2";
-const r = spawnSync(process.execPath, ["--test", `--test-concurrency=${concurrency}`, "--test-reporter=spec", ...chosen], { stdio: "inherit" });
+// --test-force-exit: a test that times out leaves its connections open (they keep the process
+// alive by design); the run must still end and report it.
+const r = spawnSync(process.execPath, ["--test", "--test-force-exit", `--test-concurrency=${concurrency}`, "--test-reporter=spec", ...chosen], { stdio: "inherit" });
 process.exit(r.status ?? 1);
