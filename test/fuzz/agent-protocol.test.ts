@@ -283,7 +283,7 @@ function mutation(eagerMax: number): fc.Arbitrary<Action> {
 }
 
 function flood(): fc.Arbitrary<Action> {
-  return fc.record({ k: fc.constant("flood" as const), what: fc.constantFrom("ping", "data", "request", "lend", "writeImm"), n: fc.integer({ min: 100, max: 2000 }) });
+  return fc.record({ k: fc.constant("flood" as const), what: fc.constantFrom("ping", "data", "request", "lend", "writeImm"), n: fc.integer({ min: 50, max: 600 }) });
 }
 
 type Case = { kind: "harmless" | "poisoned" | "mutated"; actions: Action[] };
@@ -306,8 +306,8 @@ function printable(c: Case): Case {
 
 function cases(eagerMax: number): fc.Arbitrary<Case> {
   return fc.oneof(
-    { weight: 4, arbitrary: fc.array(fc.oneof({ weight: 30, arbitrary: harmless(eagerMax) }, { weight: 1, arbitrary: flood() }), { minLength: 1, maxLength: 300 }).map((actions): Case => printable({ kind: "harmless", actions })) },
-    { weight: 3, arbitrary: fc.tuple(fc.array(harmless(eagerMax), { maxLength: 40 }), poison(eagerMax)).map(([h, p]): Case => printable({ kind: "poisoned", actions: [...h, p] })) },
+    { weight: 4, arbitrary: fc.array(fc.oneof({ weight: 30, arbitrary: harmless(eagerMax) }, { weight: 1, arbitrary: flood() }), { minLength: 1, maxLength: 400, size: "medium" }).map((actions): Case => printable({ kind: "harmless", actions })) },
+    { weight: 3, arbitrary: fc.tuple(fc.array(harmless(eagerMax), { maxLength: 40, size: "medium" }), poison(eagerMax)).map(([h, p]): Case => printable({ kind: "poisoned", actions: [...h, p] })) },
     { weight: 3, arbitrary: fc.tuple(fc.array(harmless(eagerMax), { maxLength: 20 }), fc.array(mutation(eagerMax), { minLength: 1, maxLength: 6 })).map(([h, m]): Case => printable({ kind: "mutated", actions: [...h, ...m] })) },
   );
 }
@@ -499,7 +499,7 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
   });
 
   it("control messages: harmless ones keep the connection, fatal ones end it with their code, mutations end typed or harmless; peer memory back to 0", async () => {
-    const numRuns = runs(700, 60);
+    const numRuns = runs(900, 60);
     const eagerMax = 4096;
     let rss0 = 0;
     let warm = false;

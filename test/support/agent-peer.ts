@@ -199,11 +199,24 @@ export class RawAgentPeer {
     return this.queue.length;
   }
 
+  /** A CREDIT message is owed: it goes before anything queued, on the credit kept for it. */
+  private creditOwed = false;
+
   private flush(): void {
     if (this.dead || this.closed) return;
     const wrs: SendWr[] = [];
-    while (this.queue.length > 0 && this.credits > 0 && this.freeSlots.length > 0) {
-      const q = this.queue.shift()!;
+    // As the agent does: the last credit is kept for CREDIT messages, which jump the queue, so
+    // neither side can end up waiting for the other's credits with its own report stuck behind data.
+    for (;;) {
+      if (this.freeSlots.length === 0) break;
+      let q: (typeof this.queue)[number];
+      if (this.creditOwed && this.credits >= 1) {
+        this.creditOwed = false;
+        const m = new Uint8Array(HDR);
+        encodeMsg(m, { type: MsgType.CREDIT, flags: 0, credits: 0, imm: 0, token: 0, a: 0, b: 0, addr: 0, rkey: 0, id: 0 });
+        q = { bytes: m, honest: true, opcode: WrOpcode.SEND };
+      } else if (this.queue.length > 0 && this.credits >= 2) q = this.queue.shift()!;
+      else break;
       const slot = this.freeSlots.pop()!;
       const addr = this.sendMr.addr + slot * SEND_SLOT_BYTES;
       let len = 0;
@@ -247,7 +260,7 @@ export class RawAgentPeer {
       this.cq.requestNotify();
       while ((n = this.cq.poll(this.buf)) > 0) for (let i = 0; i < n; i++) this.onCompletion(i);
     }
-    if (this.toReturn >= 8 && !this.dead) this.send({ type: MsgType.CREDIT });
+    if (this.toReturn >= 8 && !this.dead) this.creditOwed = true;
     this.flush();
     this.w.poke();
   }

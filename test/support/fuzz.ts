@@ -47,6 +47,7 @@ export function runs(tcp: number, verbs: number): number {
 
 /** fast-check parameters for a property: its seed and run count, and how to reproduce a failure. */
 export function fcParams(fixedSeed: number, numRuns: number): { seed: number; numRuns: number; endOnFailure: boolean; includeErrorInReport: boolean } {
+  if (process.env.ASYNC_RDMA_FUZZ_SEED) console.log(`# fuzz seed ${fuzzSeed(fixedSeed)} (ASYNC_RDMA_FUZZ_SEED=${process.env.ASYNC_RDMA_FUZZ_SEED}), ${numRuns} runs`);
   // No shrinking by default: cases share connections and devices, so a shrunk case is not a replay (ASYNC_RDMA_FUZZ_SHRINK=1 tries anyway).
   return { seed: fuzzSeed(fixedSeed), numRuns, endOnFailure: process.env.ASYNC_RDMA_FUZZ_SHRINK !== "1", includeErrorInReport: true };
 }
