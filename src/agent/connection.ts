@@ -447,6 +447,10 @@ export class Connection implements MemoryHost {
   }
 
   private enqueue(p: Pending): void {
+    // A failed connection posts nothing more: work queued after fail() (a PONG or RNDV_DONE for a
+    // message handled while the failure drains the CQ) is dropped like the work fail() found queued.
+    // Queued, it would be flushed after the teardown freed its buffers.
+    if (this.failure) return this.dropQueued(p.op, [p], this.failure);
     if (p.credit === 3) this.creditQ.push(p);
     else if (p.credit === 1) this.ctrlQ.push(p);
     else this.dataQ.push(p);
