@@ -7,6 +7,7 @@
  */
 export { RdmaBuilder, type ResolvedSettings } from "./api/builder.js";
 export { Rdma, type OpOptions } from "./api/rdma.js";
+export type { AuthOptions, AuthKey, AuthKeyLookup, PeerInfo } from "./api/auth.js";
 export { RdmaListener } from "./api/listener.js";
 export { LocalMr, RemoteMr } from "./memory/mr.js";
 export { setPeerMemoryLimit, peerMemoryUsage } from "./memory/budget.js";
