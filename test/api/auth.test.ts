@@ -470,6 +470,28 @@ describe(`authenticated connections [${PROVIDER}, ${CM}]`, { timeout: 900_000 },
       await atBaseline(open, before);
     });
 
+    it("an impostor server without the key (a challenge with a made-up proof): the client refuses it and sends no proof", async () => {
+      const before = await settled(open);
+      const got: string[] = [];
+      const srv = net.createServer((s) => {
+        s.on("error", () => {});
+        s.setEncoding("utf8");
+        s.on("data", (d: string) => {
+          got.push(...d.split("\n").filter(Boolean));
+          if (got.length === 1) s.write(JSON.stringify({ asyncRdma: 1, challenge: { nonce: Buffer.alloc(16, 4).toString("base64"), proof: Buffer.alloc(32, 5).toString("base64") } }) + "\n");
+        });
+      });
+      await new Promise<void>((r) => srv.listen(0, "127.0.0.1", r));
+      try {
+        await assert.rejects(mustFail(builder("client").setAuth({ key: K1, identity: "alice" }).connect(`127.0.0.1:${(srv.address() as net.AddressInfo).port}`)), code("AUTH_FAILED", /did not prove it has the key/));
+      } finally {
+        await new Promise<void>((r) => srv.close(() => r()));
+      }
+      assert.ok(got.length >= 1);
+      for (const l of got.slice(1)) assert.equal((JSON.parse(l) as { proof?: unknown }).proof, undefined, "the client gave the impostor no proof");
+      await atBaseline(open, before);
+    });
+
     it("a client that stops after the challenge holds nothing, and is recorded when its connect timeout ends", async () => {
       const l = await builder("server").setAuth({ key: K1 }).setConnectTimeout(300 * SLOW).bind(at(0));
       try {
@@ -584,6 +606,32 @@ describe(`authenticated connections [${PROVIDER}, ${CM}]`, { timeout: 900_000 },
       }
       assert.equal(forks.n, f0);
       await atBaseline(shared, base);
+    });
+
+    it("an impostor server without the key (a challenge, then an accept with a made-up proof): the client refuses it", async () => {
+      const before = await settled(open);
+      const lid = cm.CmId.create();
+      const children: CmId[] = [];
+      lid.bind(HOST, 0);
+      lid.listen(8);
+      lid.onEvent = (e) => {
+        if (!e.child) return;
+        children.push(e.child);
+        if (e.privateData?.[5] === 4) e.child.reject(encodeChallenge(new Uint8Array(CM_NONCE_BYTES).fill(3)));
+        else {
+          const rep = new Uint8Array(20 + CM_MAC_BYTES);
+          rep.set(encodeHello(2, { psn: 9, recvDepth: 32, eagerMax: 4096 }));
+          e.child.accept(0x321, rep, params);
+        }
+      };
+      try {
+        await assert.rejects(mustFail(builder("client").setAuth({ key: K1, identity: "alice" }).connect(at(lid.info().localPort))), code("AUTH_FAILED", /did not prove it has the key/));
+      } finally {
+        for (const c of children) c.destroy();
+        lid.destroy();
+      }
+      assert.equal(children.length, 2, "the client asked for a challenge, then answered it");
+      await atBaseline(open, before);
     });
 
     it("outstanding challenges are bounded (16 × maxHandshakes): past that, busy", async () => {
