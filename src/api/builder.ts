@@ -10,6 +10,7 @@ import { RdmaListener } from "./listener.js";
 import type { ConnectionManager, Establisher } from "./establish.js";
 import { sideChannel } from "./sidechannel.js";
 import { rdmaCmEstablisher } from "./rdmacm.js";
+import { Auth, type AuthOptions } from "./auth.js";
 
 export interface ResolvedSettings {
   provider: ProviderChoice;
@@ -46,6 +47,8 @@ export interface ResolvedSettings {
   maxHandshakes: number;
   /** How connections are established: the TCP side channel, or RDMA CM (verbs only; rdmacm.ts). */
   cm: ConnectionManager;
+  /** Peer authentication (setAuth); null: unauthenticated (trusted fabric). */
+  auth: Auth | null;
 }
 
 function envProvider(): ProviderChoice {
@@ -87,6 +90,7 @@ const DEFAULTS: ResolvedSettings = {
   maxMessageSize: 64 << 20,
   maxHandshakes: 256,
   cm: "tcp",
+  auth: null,
 };
 
 function limit(name: string, v: number, max: number, what: string): void {
@@ -264,6 +268,21 @@ export class RdmaBuilder {
     this.s.maxHandshakes = checkInt("maxHandshakes", n, 1, 1 << 16);
     return this;
   }
+  /**
+   * Authenticates peers with a shared secret (HMAC-SHA256 challenge–response,
+   * both ways, before the server allocates anything; see docs/security.md).
+   * `{ key, identity? }`: a client names itself (default `""`) and proves it
+   * has the key; a server with one key accepts any client that has it.
+   * `{ keys }` (servers): a key per identity, a record or a function
+   * `(identity) => key | undefined`. Keys are strings or bytes, at least 16
+   * bytes; identities at most 32 bytes of UTF-8. `null`: no authentication
+   * (the default). A peer that fails gets AUTH_FAILED; `rdma.peer.identity`
+   * names the identity of an authenticated connection.
+   */
+  setAuth(auth: AuthOptions | null): this {
+    this.s.auth = auth === null ? null : Auth.from(auth);
+    return this;
+  }
   setConnectTimeout(ms: number): this {
     this.s.connectTimeoutMs = checkInt("connectTimeout", ms, 1, 2 ** 31);
     return this;
@@ -295,6 +314,7 @@ export class RdmaBuilder {
   async connect(addr: string | { host: string; port: number }, opts?: { signal?: AbortSignal }): Promise<Rdma> {
     const a = parseAddr(addr);
     const signal = signalOf(opts, "connect");
+    this.s.auth?.clientKey(); // a client authenticates with one key
     return whenReady(await this.establisher().dial({ ...this.s }, (attr) => this.resolve(attr), a, signal));
   }
 

@@ -6,6 +6,10 @@
  *   server → client  the same fields, or {"asyncRdma":1,"error":"…"}
  *   client → server  {"ready":true}   (after the client's QP reached RTS, so the
  *                                      server never sends to a QP that cannot receive)
+ *
+ * With authentication (setAuth) a challenge and a proof come between the
+ * hellos (sidechannel.ts, docs/wire-format.md); an error line refusing
+ * authentication carries "code":"AUTH_FAILED".
  */
 import net from "node:net";
 import { RdmaError } from "../errors.js";
@@ -86,6 +90,16 @@ export class LineReader {
   }
 }
 
+/**
+ * A hello's content in one canonical form (what the authentication MACs
+ * cover): provider, every endpoint field as sent, depths and limits. Both
+ * sides compute it from the validated hello, so JSON spelling does not matter.
+ */
+export function helloBytes(h: Hello): Buffer {
+  const e = h.endpoint;
+  return Buffer.from(JSON.stringify([h.provider, e.qpNum, e.psn, e.lid, e.gid, e.port, e.mtu, h.recvDepth, h.eagerMax, h.maxMessageSize ?? null, h.maxRdAtomic ?? null]), "utf8");
+}
+
 export function sendLine(sock: net.Socket, v: unknown): void {
   sock.write(JSON.stringify(v) + "\n");
 }
@@ -123,7 +137,10 @@ export function parseHello(v: Record<string, unknown>, expectProvider: ProviderN
   if (v.asyncRdma !== PROTOCOL_VERSION) {
     throw new RdmaError("PROTOCOL", `protocol version mismatch: the peer speaks ${JSON.stringify(v.asyncRdma ?? "an unknown protocol")}, this side ${PROTOCOL_VERSION}; upgrade the older side`);
   }
-  if (typeof v.error === "string") throw new RdmaError("CONNECTION_REFUSED", `the peer refused the connection: ${v.error.slice(0, 500)}`);
+  if (typeof v.error === "string") {
+    if (v.code === "AUTH_FAILED") throw new RdmaError("AUTH_FAILED", `the peer refused the connection: ${v.error.slice(0, 500)}`);
+    throw new RdmaError("CONNECTION_REFUSED", `the peer refused the connection: ${v.error.slice(0, 500)}`);
+  }
   if (v.provider !== expectProvider) {
     throw new RdmaError("PROTOCOL", `provider mismatch: the peer uses ${JSON.stringify(v.provider)}, this side ${expectProvider}; choose the same provider on both ends`);
   }

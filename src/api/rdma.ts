@@ -11,6 +11,9 @@ import { SharedMr, shareIn, type ShareOptions } from "./shared.js";
 import type { Context } from "./context.js";
 import { parseAddr } from "./handshake.js";
 import type { ResolvedSettings } from "./builder.js";
+import type { PeerInfo } from "./auth.js";
+
+export type { PeerInfo };
 
 export interface OpOptions {
   signal?: AbortSignal;
@@ -74,6 +77,12 @@ export class Rdma {
   /** @internal */ readonly ctx: Context;
   /** @internal */ readonly settings: ResolvedSettings;
   private readonly redial: ((ctx: Context) => Promise<Rdma>) | null;
+  /**
+   * Who is at the other end: the address and port of the side channel's (or
+   * RDMA CM's) peer, and the identity the connection authenticated with
+   * (setAuth; on the client, the identity it used), null when unauthenticated.
+   */
+  readonly peer: PeerInfo;
   private readonly userMrs = new Set<LocalMemory>();
   private closePromise: Promise<void> | null = null;
 
@@ -81,8 +90,10 @@ export class Rdma {
   /**
    * @internal `redial` (client side only) establishes a sibling on a retained
    * context the way this connection was established (side channel or RDMA CM).
+   * `peer`: see {@link Rdma.peer}.
    */
-  constructor(conn: Connection, ctx: Context, settings: ResolvedSettings, client: { addr: { host: string; port: number }; redial: (ctx: Context) => Promise<Rdma> } | null) {
+  constructor(conn: Connection, ctx: Context, settings: ResolvedSettings, client: { addr: { host: string; port: number }; redial: (ctx: Context) => Promise<Rdma> } | null, peer: PeerInfo) {
+    this.peer = Object.freeze({ address: peer.address, port: peer.port, identity: peer.identity });
     this.conn = conn;
     this.ctx = ctx;
     this.settings = settings;

@@ -17,8 +17,19 @@
  *     0 u32 magic "aRDM"   4 u8 protocol version   5 u8 kind (1 connect, 2 accept)
  *     6 u16 0              8 u32 psn (24 bits)     12 u32 recvDepth   16 u32 eagerMax
  *   reject (8 + n bytes, ≤ 148)
- *     0 u32 magic   4 u8 version   5 u8 kind 3   6 u8 code (1 refused, 2 protocol)   7 u8 n
- *     8 reason, n bytes of UTF-8
+ *     0 u32 magic   4 u8 version   5 u8 kind 3   6 u8 code (1 refused, 2 protocol, 3 authentication, 4 challenge)   7 u8 n
+ *     8 reason, n bytes of UTF-8 (code 4: the server's 8-byte challenge nonce)
+ *
+ * Authenticated (setAuth on both sides; docs/wire-format.md), two REQs:
+ *
+ *   auth request (REQ, 8 + n bytes)
+ *     0 u32 magic   4 u8 version   5 u8 kind 4   6 u8 n (≤ 32)   7 u8 0   8 identity, n bytes of UTF-8
+ *     → REJ code 4 with a fresh server nonce Ns (single use, expires after the connect timeout)
+ *   auth connect (REQ, 52 bytes, on a new CM id)
+ *     0..20 hello with kind 5   20 Ns (8)   28 client nonce Nc (8)
+ *     36 MAC (16) = HMAC-SHA256(K, "cm connect", identity, bytes 0..36, client QPN), truncated
+ *   accept (REP, 36 bytes): hello (kind 2) + 20 MAC (16) = HMAC-SHA256(K, "cm accept",
+ *     identity, REQ bytes 0..36, REP bytes 0..20, server QPN, client QPN), truncated
  *
  * The CM id lives as long as the connection: a DISCONNECTED event (the peer
  * closed, or died and its kernel tore the id down) fails the connection with
@@ -32,7 +43,8 @@ import { loadProvider, type ProviderChoice } from "../transport/providers.js";
 import type { Connection } from "../agent/connection.js";
 import type { ResolvedSettings } from "./builder.js";
 import { Context } from "./context.js";
-import { PROTOCOL_VERSION } from "./handshake.js";
+import { PROTOCOL_VERSION, canonicalIp } from "./handshake.js";
+import { AUTH_FAILED_WIRE, ChallengeTable, MAX_IDENTITY_BYTES, authMac, authRefusal, checkIdentity, macEqual, nonce, wireMessage } from "./auth.js";
 import { Rdma } from "./rdma.js";
 import { abandon, connectAttr, makeConnection } from "./setup.js";
 import type { Establisher, ListenerSink, ListenerSource } from "./establish.js";
@@ -41,10 +53,23 @@ const MAGIC = 0x6152444d; // "aRDM"
 const KIND_CONNECT = 1;
 const KIND_ACCEPT = 2;
 const KIND_REJECT = 3;
+const KIND_AUTH_REQUEST = 4;
+const KIND_AUTH_CONNECT = 5;
 const HELLO_BYTES = 20;
 const REJECT_REFUSED = 1;
 const REJECT_PROTOCOL = 2;
+const REJECT_AUTH = 3;
+const REJECT_CHALLENGE = 4;
 const MAX_REASON = 140;
+/** Bytes of the server's and the client's nonce. */
+export const CM_NONCE_BYTES = 8;
+/** Bytes of a (truncated HMAC-SHA256) MAC in private data. */
+export const CM_MAC_BYTES = 16;
+const REQUIRED_WIRE = "this server requires authentication: set the key with setAuth({ key, identity })";
+const NO_AUTH_WIRE = "this server does not authenticate peers (it has no key): the client's key cannot be checked";
+/** The signed part of an auth connect: hello, Ns, Nc. */
+const AUTH_SIGNED = HELLO_BYTES + 2 * CM_NONCE_BYTES;
+const AUTH_CONNECT_BYTES = AUTH_SIGNED + CM_MAC_BYTES;
 
 export interface CmHello {
   psn: number;
@@ -52,7 +77,9 @@ export interface CmHello {
   eagerMax: number;
 }
 
-export function encodeHello(kind: typeof KIND_CONNECT | typeof KIND_ACCEPT, h: CmHello, version = PROTOCOL_VERSION): Uint8Array {
+type HelloKind = typeof KIND_CONNECT | typeof KIND_ACCEPT | typeof KIND_AUTH_CONNECT;
+
+export function encodeHello(kind: HelloKind, h: CmHello, version = PROTOCOL_VERSION): Uint8Array {
   const b = new Uint8Array(HELLO_BYTES);
   const v = new DataView(b.buffer);
   v.setUint32(0, MAGIC);
@@ -65,7 +92,7 @@ export function encodeHello(kind: typeof KIND_CONNECT | typeof KIND_ACCEPT, h: C
 }
 
 /** Validates a peer's hello; PROTOCOL errors name what is wrong. Trailing bytes (IB pads private data) are ignored. */
-export function decodeHello(pd: Uint8Array | null, kind: typeof KIND_CONNECT | typeof KIND_ACCEPT): CmHello {
+export function decodeHello(pd: Uint8Array | null, kind: HelloKind): CmHello {
   if (!pd || pd.length < 6) throw new RdmaError("PROTOCOL", "the peer's RDMA CM private data is missing: is the other side an async-rdma endpoint?");
   const v = new DataView(pd.buffer, pd.byteOffset, pd.byteLength);
   if (v.getUint32(0) !== MAGIC) throw new RdmaError("PROTOCOL", "the peer's RDMA CM private data is not an async-rdma hello: is the other side an async-rdma endpoint?");
@@ -82,7 +109,7 @@ export function decodeHello(pd: Uint8Array | null, kind: typeof KIND_CONNECT | t
   return { psn, recvDepth, eagerMax };
 }
 
-export function encodeReject(code: typeof REJECT_REFUSED | typeof REJECT_PROTOCOL, reason: string): Uint8Array {
+export function encodeReject(code: typeof REJECT_REFUSED | typeof REJECT_PROTOCOL | typeof REJECT_AUTH, reason: string): Uint8Array {
   let r = new TextEncoder().encode(reason);
   if (r.length > MAX_REASON) {
     // cut on a character boundary
@@ -108,6 +135,81 @@ export function decodeReject(pd: Uint8Array | null): { code: number; reason: str
   if (v.getUint32(0) !== MAGIC || v.getUint8(5) !== KIND_REJECT) return null;
   const n = Math.min(v.getUint8(7), pd.length - 8, MAX_REASON);
   return { code: v.getUint8(6), reason: new TextDecoder("utf-8", { fatal: false }).decode(pd.subarray(8, 8 + n)) };
+}
+
+/** The kind of an async-rdma message of our version in private data, or 0. */
+function kindOf(pd: Uint8Array | null): number {
+  if (!pd || pd.length < 6) return 0;
+  const v = new DataView(pd.buffer, pd.byteOffset, pd.byteLength);
+  return v.getUint32(0) === MAGIC && v.getUint8(4) === PROTOCOL_VERSION ? v.getUint8(5) : 0;
+}
+
+/** REQ asking for a challenge: the client's identity. */
+export function encodeAuthRequest(identity: string): Uint8Array {
+  const id = new TextEncoder().encode(checkIdentity(identity));
+  const b = new Uint8Array(8 + id.length);
+  const v = new DataView(b.buffer);
+  v.setUint32(0, MAGIC);
+  v.setUint8(4, PROTOCOL_VERSION);
+  v.setUint8(5, KIND_AUTH_REQUEST);
+  v.setUint8(6, id.length);
+  b.set(id, 8);
+  return b;
+}
+
+export function decodeAuthRequest(pd: Uint8Array): string {
+  const n = pd.length >= 8 ? pd[6]! : -1;
+  if (n < 0 || n > MAX_IDENTITY_BYTES || pd.length < 8 + n) throw new RdmaError("PROTOCOL", "the peer's RDMA CM authentication request is malformed");
+  let identity: string;
+  try {
+    identity = new TextDecoder("utf-8", { fatal: true }).decode(pd.subarray(8, 8 + n));
+  } catch {
+    throw new RdmaError("PROTOCOL", "the identity in the peer's RDMA CM authentication request is not UTF-8");
+  }
+  return checkIdentity(identity, "PROTOCOL");
+}
+
+/** REJ carrying a challenge (the server's nonce). */
+export function encodeChallenge(ns: Uint8Array): Uint8Array {
+  const b = new Uint8Array(8 + CM_NONCE_BYTES);
+  const v = new DataView(b.buffer);
+  v.setUint32(0, MAGIC);
+  v.setUint8(4, PROTOCOL_VERSION);
+  v.setUint8(5, KIND_REJECT);
+  v.setUint8(6, REJECT_CHALLENGE);
+  v.setUint8(7, CM_NONCE_BYTES);
+  b.set(ns, 8);
+  return b;
+}
+
+/** The server's nonce when the REJ is our challenge, else null. */
+export function decodeChallenge(pd: Uint8Array | null): Uint8Array | null {
+  if (!pd || pd.length < 8 + CM_NONCE_BYTES || kindOf(pd) !== KIND_REJECT || pd[6] !== REJECT_CHALLENGE || pd[7] !== CM_NONCE_BYTES) return null;
+  return pd.slice(8, 8 + CM_NONCE_BYTES);
+}
+
+/** The auth connect REQ: the hello (kind 5), both nonces, the MAC over them and the client's QP number. */
+export function encodeAuthConnect(h: CmHello, ns: Uint8Array, nc: Uint8Array, key: Uint8Array, identity: string, clientQpn: number): Uint8Array {
+  const b = new Uint8Array(AUTH_CONNECT_BYTES);
+  b.set(encodeHello(KIND_AUTH_CONNECT, h), 0);
+  b.set(ns, HELLO_BYTES);
+  b.set(nc, HELLO_BYTES + CM_NONCE_BYTES);
+  b.set(connectMac(key, identity, b.subarray(0, AUTH_SIGNED), clientQpn), AUTH_SIGNED);
+  return b;
+}
+
+/** The parts of an auth connect REQ (structure only: the server checks the nonce, then the MAC, then the hello's fields). */
+export function decodeAuthConnect(pd: Uint8Array): { ns: Uint8Array; signed: Uint8Array; mac: Uint8Array } {
+  if (pd.length < AUTH_CONNECT_BYTES) throw new RdmaError("PROTOCOL", `the peer's RDMA CM authenticated hello is truncated (${pd.length} bytes)`);
+  return { ns: pd.slice(HELLO_BYTES, HELLO_BYTES + CM_NONCE_BYTES), signed: pd.slice(0, AUTH_SIGNED), mac: pd.slice(AUTH_SIGNED, AUTH_CONNECT_BYTES) };
+}
+
+export function connectMac(key: Uint8Array, identity: string, signed: Uint8Array, clientQpn: number): Uint8Array {
+  return authMac(key, "cm connect", identity, signed, clientQpn).subarray(0, CM_MAC_BYTES);
+}
+
+export function acceptMac(key: Uint8Array, identity: string, signed: Uint8Array, rep: Uint8Array, serverQpn: number, clientQpn: number): Uint8Array {
+  return authMac(key, "cm accept", identity, signed, rep.subarray(0, HELLO_BYTES), serverQpn, clientQpn).subarray(0, CM_MAC_BYTES);
 }
 
 async function loadCm(choice: ProviderChoice): Promise<RdmaCm> {
@@ -163,7 +265,7 @@ function attach(rdma: Rdma, conn: Connection, id: CmId): void {
 function stepError(e: CmEvent, id: CmId, step: string, where: string, mod: RdmaCm): RdmaError {
   if (e.type === T.REJECTED) {
     const r = decodeReject(e.privateData);
-    if (r) return new RdmaError(r.code === REJECT_PROTOCOL ? "PROTOCOL" : "CONNECTION_REFUSED", `${where} refused the connection: ${r.reason}`);
+    if (r) return new RdmaError(r.code === REJECT_PROTOCOL ? "PROTOCOL" : r.code === REJECT_AUTH ? "AUTH_FAILED" : "CONNECTION_REFUSED", `${where} refused the connection: ${r.reason}`);
     return new RdmaError("CONNECTION_REFUSED", `connection to ${where} refused (RDMA CM REJECTED: ${mod.rejectReason(e.status)})${e.status === 8 ? ": is the server listening?" : ""}`);
   }
   const st = e.status < 0 ? id.errnoName(-e.status) : String(e.status);
@@ -179,6 +281,43 @@ function step(where: string, what: string, fn: () => void): void {
     const errno = e instanceof RdmaError ? e.errno : undefined;
     throw new RdmaError("CONNECTION_REFUSED", `cannot reach ${where}: ${what} failed: ${(e as Error).message}`, errno === undefined ? { cause: e } : { errno, cause: e });
   }
+}
+
+function rejectCode(e: RdmaError): typeof REJECT_REFUSED | typeof REJECT_PROTOCOL | typeof REJECT_AUTH {
+  return e.code === "PROTOCOL" ? REJECT_PROTOCOL : e.code === "AUTH_FAILED" ? REJECT_AUTH : REJECT_REFUSED;
+}
+
+/**
+ * The answer to an auth request: a REJ carrying the server's challenge. A
+ * server that accepts it, or refuses it as an unknown kind of hello (it
+ * predates authentication), does not authenticate: AUTH_FAILED.
+ */
+async function challenge(id: CmId, where: string, timeoutMs: number, signal: AbortSignal | undefined, mod: RdmaCm): Promise<Uint8Array> {
+  let e: CmEvent;
+  try {
+    e = await id.next(`authentication challenge from ${where}`, timeoutMs, signal);
+  } catch (err) {
+    if (err instanceof RdmaError && err.code === "TIMEOUT") throw new RdmaError("TIMEOUT", `connect to ${where} timed out waiting for its authentication challenge`, { cause: err });
+    throw err;
+  }
+  if (e.type === T.REJECTED) {
+    const ns = decodeChallenge(e.privateData);
+    if (ns) return ns;
+  }
+  if (e.type === T.CONNECT_RESPONSE) {
+    try {
+      id.reject(encodeReject(REJECT_AUTH, "this server did not authenticate"));
+    } catch {
+      /* gone */
+    }
+    throw new RdmaError("AUTH_FAILED", `the server at ${where} accepted the connection without authenticating itself: refusing it`);
+  }
+  e.child?.destroy();
+  const err = stepError(e, id, "connection (rdma_connect)", where, mod);
+  if (err.code === "PROTOCOL" && /unexpected RDMA CM hello kind/.test(err.message)) {
+    throw new RdmaError("AUTH_FAILED", `the server at ${where} does not authenticate peers (it predates authentication): ${err.message}`);
+  }
+  throw err;
 }
 
 /** @internal The CM id of an RDMA CM connection (tests use it to disconnect without the library's CLOSE). */
@@ -238,45 +377,80 @@ async function dialCm(
     // No source address: the routing table picks the device (with one bound,
     // rxe resolves even unroutable destinations and the connect then times out).
     const src = null;
-    id = mod.createId();
-    const cmId = id;
-    step(where, "address resolution (rdma_resolve_addr)", () => cmId.resolveAddr(src, dst, addr.port, left()));
-    await expect(id, T.ADDR_RESOLVED, "address resolution (rdma_resolve_addr)", where, left(), signal, mod);
-    step(where, "route resolution (rdma_resolve_route)", () => cmId.resolveRoute(left()));
-    await expect(id, T.ROUTE_RESOLVED, "route resolution (rdma_resolve_route)", where, left(), signal, mod);
-    const info = id.info();
+    /** A new CM id resolved to `addr` (the dial's id from then on: the catch destroys it). */
+    const resolved = async (): Promise<CmId> => {
+      const cmId = mod.createId();
+      id = cmId;
+      step(where, "address resolution (rdma_resolve_addr)", () => cmId.resolveAddr(src, dst, addr.port, left()));
+      await expect(cmId, T.ADDR_RESOLVED, "address resolution (rdma_resolve_addr)", where, left(), signal, mod);
+      step(where, "route resolution (rdma_resolve_route)", () => cmId.resolveRoute(left()));
+      await expect(cmId, T.ROUTE_RESOLVED, "route resolution (rdma_resolve_route)", where, left(), signal, mod);
+      return cmId;
+    };
+    let cmId = await resolved();
+    const info = cmId.info();
     if (!info.deviceName) throw new RdmaError("DEVICE", `RDMA CM resolved ${where} to no RDMA device`);
     if (ctx && ctx.device.name !== info.deviceName) {
       throw new RdmaError("INVALID_ARGUMENT", `the route to ${where} goes through RDMA device ${info.deviceName}, but this connection uses ${ctx.device.name}: set the device to ${info.deviceName} (or none)`);
     }
     if (!ctx) ctx = await local(() => Context.open("verbs", info.deviceName!));
-    const s: ResolvedSettings = { ...resolve(ctx.device.attr), port: info.portNum || base.port, cm: "rdmacm" };
+    const dev = ctx.device;
+    const s: ResolvedSettings = { ...resolve(dev.attr), port: info.portNum || base.port, cm: "rdmacm" };
     conn = makeConnection(ctx, s, { recvDepth: 0, eagerMax: 0 }, holder);
     const psn = conn.qp.localEndpoint({ portNum: s.port }).psn;
     const qpNum = conn.qp.qpNum;
-    step(where, "connection (rdma_connect)", () => cmId.connect(qpNum, encodeHello(KIND_CONNECT, { psn, recvDepth: s.recvDepth, eagerMax: s.eagerMax }), rdParams(s, ctx!.device.attr)));
-    const ev = await expect(id, T.CONNECT_RESPONSE, "connection (rdma_connect)", where, left(), signal, mod);
+    const mine: CmHello = { psn, recvDepth: s.recvDepth, eagerMax: s.eagerMax };
+    let cred: { key: Buffer; identity: string; signed: Uint8Array } | null = null;
+    let pdata: Uint8Array;
+    if (s.auth) {
+      // 1. ask for a challenge (no hello, nothing for the server to allocate); 2. redial with the proof
+      const key = s.auth.clientKey();
+      const identity = s.auth.identity;
+      const first = cmId;
+      step(where, "connection (rdma_connect)", () => first.connect(qpNum, encodeAuthRequest(identity), rdParams(s, dev.attr)));
+      const ns = await challenge(first, where, left(), signal, mod);
+      first.destroy();
+      cmId = await resolved();
+      if (cmId.info().deviceName !== dev.name) throw new RdmaError("CONNECTION_REFUSED", `the route to ${where} moved to another RDMA device during the connection`);
+      pdata = encodeAuthConnect(mine, ns, nonce(CM_NONCE_BYTES), key, identity, qpNum);
+      cred = { key, identity, signed: pdata.subarray(0, AUTH_SIGNED) };
+    } else {
+      pdata = encodeHello(KIND_CONNECT, mine);
+    }
+    const last = cmId;
+    step(where, "connection (rdma_connect)", () => last.connect(qpNum, pdata, rdParams(s, dev.attr)));
+    const ev = await expect(last, T.CONNECT_RESPONSE, "connection (rdma_connect)", where, left(), signal, mod);
     responded = true;
     const peer = decodeHello(ev.privateData, KIND_ACCEPT);
+    if (cred) {
+      const pd = ev.privateData!;
+      const mac = pd.length >= HELLO_BYTES + CM_MAC_BYTES ? pd.subarray(HELLO_BYTES, HELLO_BYTES + CM_MAC_BYTES) : null;
+      if (!mac || !macEqual(mac, acceptMac(cred.key, cred.identity, cred.signed, pd, ev.conn?.qpNum ?? 0, qpNum))) {
+        throw new RdmaError("AUTH_FAILED", `the server at ${where} did not prove it has the key (its accept ${mac ? "fails its MAC: altered in transit?" : "carries no proof: it does not authenticate"}): refusing it`);
+      }
+    }
     conn.setPeer({ recvDepth: peer.recvDepth, eagerMax: peer.eagerMax });
-    connectQp(conn, id, ev.conn?.qpNum ?? 0, peer.psn, s);
-    id.establish();
+    connectQp(conn, last, ev.conn?.qpNum ?? 0, peer.psn, s);
+    last.establish();
     conn.start();
-    const rdma = new Rdma(conn, ctx, s, { addr, redial: (again) => dialCm(s, () => s, addr, undefined, again) });
+    const pi = last.info();
+    const rdma = new Rdma(conn, ctx, s, { addr, redial: (again) => dialCm(s, () => s, addr, undefined, again) }, { address: canonicalIp(pi.peerAddr || dst), port: pi.peerPort || addr.port, identity: cred ? cred.identity : null });
     holder.rdma = rdma;
-    attach(rdma, conn, id);
-    cmIdOf.set(rdma, id);
+    attach(rdma, conn, last);
+    cmIdOf.set(rdma, last);
     return rdma;
   } catch (e) {
-    if (id) {
+    // assigned in resolved(), which TypeScript's narrowing does not see
+    const last = id as CmId | null;
+    if (last) {
       if (responded) {
         try {
-          id.reject(encodeReject(e instanceof RdmaError && e.code === "PROTOCOL" ? REJECT_PROTOCOL : REJECT_REFUSED, e instanceof Error ? e.message : String(e)));
+          last.reject(encodeReject(e instanceof RdmaError ? rejectCode(e) : REJECT_REFUSED, e instanceof Error ? e.message : String(e)));
         } catch {
           /* best effort */
         }
       }
-      id.destroy();
+      last.destroy();
     }
     abandon(conn, ctx);
     if (signal?.aborted && !(e instanceof RdmaError && e.code === "ABORTED")) throw new RdmaError("ABORTED", `connect to ${where} aborted`, { cause: e });
@@ -348,6 +522,55 @@ async function bindCm(
   const pending = new Set<CmId>();
   let closed = false;
 
+  const auth = base.auth;
+  /** Outstanding challenges: each a fresh nonce, used once, expiring with the connect timeout; as many as pre-hello sockets on the side channel. */
+  const challenges = new ChallengeTable(16 * base.maxHandshakes, base.connectTimeoutMs, CM_NONCE_BYTES);
+
+  /**
+   * Checks an incoming REQ's authentication before anything is allocated:
+   * an auth connect's nonce must be outstanding (it is then used up), its MAC
+   * right for the identity the challenge was issued to. Returns the hello
+   * and, when authenticated, what the accept's MAC needs.
+   */
+  const admit = (ev: CmEvent, who: string): { hello: CmHello; authed: { key: Buffer; identity: string; signed: Uint8Array } | null } => {
+    const pd = ev.privateData;
+    if (kindOf(pd) === KIND_AUTH_CONNECT) {
+      if (!auth) throw authRefusal(`client ${who} authenticates, but this listener has no key (setAuth)`, NO_AUTH_WIRE);
+      const r = decodeAuthConnect(pd!);
+      const identity = challenges.take(r.ns);
+      if (identity === null) throw authRefusal(`client ${who}: its challenge nonce is unknown, expired or already used (a replay?)`, "authentication failed: the challenge is unknown, expired or already used");
+      const rk = auth.resolve(identity);
+      const ok = macEqual(r.mac, connectMac(rk.key, identity, r.signed, ev.conn?.qpNum ?? 0));
+      if (!ok || !rk.known) throw authRefusal(`client ${who} (identity ${JSON.stringify(identity)}) failed authentication: ${rk.known ? "wrong MAC (wrong key, or the request was altered)" : rk.why}`, AUTH_FAILED_WIRE);
+      return { hello: decodeHello(pd, KIND_AUTH_CONNECT), authed: { key: rk.key, identity, signed: r.signed } };
+    }
+    const hello = decodeHello(pd, KIND_CONNECT);
+    if (auth) throw authRefusal(`client ${who} did not authenticate: this listener requires it (setAuth)`, REQUIRED_WIRE);
+    return { hello, authed: null };
+  };
+
+  /** An auth request: answered with a challenge (a REJ), synchronously; nothing else is kept than the nonce. */
+  const challengeOf = (child: CmId, ev: CmEvent): void => {
+    let pdata: Uint8Array;
+    try {
+      const ci = child.info();
+      const who = `${ci.peerAddr}:${ci.peerPort}`;
+      if (!auth) throw authRefusal(`client ${who} asks to authenticate, but this listener has no key (setAuth)`, NO_AUTH_WIRE);
+      const ns = challenges.issue(decodeAuthRequest(ev.privateData!));
+      pdata = ns ? encodeChallenge(ns) : encodeReject(REJECT_REFUSED, `the server is busy: ${challenges.size} authentication challenges are outstanding (its limit); retry later`);
+    } catch (e) {
+      const err = e instanceof RdmaError ? e : new RdmaError("PROTOCOL", String(e));
+      pdata = encodeReject(rejectCode(err), wireMessage(err));
+      sink.reject(err);
+    }
+    try {
+      child.reject(pdata);
+    } catch {
+      /* the client is gone */
+    }
+    child.destroy();
+  };
+
   const handle = async (child: CmId, ev: CmEvent): Promise<void> => {
     pending.add(child);
     let conn: Connection | null = null;
@@ -355,8 +578,8 @@ async function bindCm(
     let accepted = false;
     const holder: { rdma: Rdma | null } = { rdma: null };
     try {
-      const hello = decodeHello(ev.privateData, KIND_CONNECT);
       const ci = child.info();
+      const { hello, authed } = admit(ev, `${ci.peerAddr}:${ci.peerPort}`);
       if (!ci.deviceName) throw new RdmaError("DEVICE", "the connection request arrived on no RDMA device");
       if (closed) throw new RdmaError("CONNECTION_REFUSED", "the listener is closed");
       const entry = await contextFor(ci.deviceName, ci.portNum);
@@ -365,17 +588,26 @@ async function bindCm(
       // A protection domain and pool of its own: no other connection can reach what it grants or lends.
       ctx = entry.ctx.fork();
       conn = makeConnection(ctx, s, { recvDepth: hello.recvDepth, eagerMax: hello.eagerMax }, holder);
-      connectQp(conn, child, ev.conn?.qpNum ?? 0, hello.psn, s);
+      const clientQpn = ev.conn?.qpNum ?? 0;
+      connectQp(conn, child, clientQpn, hello.psn, s);
       const psn = conn.qp.localEndpoint({ portNum: s.port }).psn;
-      child.accept(conn.qp.qpNum, encodeHello(KIND_ACCEPT, { psn, recvDepth: s.recvDepth, eagerMax: s.eagerMax }), rdParams(s, ctx.device.attr));
+      const rep = encodeHello(KIND_ACCEPT, { psn, recvDepth: s.recvDepth, eagerMax: s.eagerMax });
+      let pdata = rep;
+      if (authed) {
+        pdata = new Uint8Array(HELLO_BYTES + CM_MAC_BYTES);
+        pdata.set(rep);
+        pdata.set(acceptMac(authed.key, authed.identity, authed.signed, rep, conn.qp.qpNum, clientQpn), HELLO_BYTES);
+      }
+      child.accept(conn.qp.qpNum, pdata, rdParams(s, ctx.device.attr));
       accepted = true;
       const est = await child.next("waiting for ESTABLISHED", s.connectTimeoutMs);
       if (est.type !== T.ESTABLISHED) {
         const r = est.type === T.REJECTED ? decodeReject(est.privateData) : null;
-        throw new RdmaError(r?.code === REJECT_PROTOCOL ? "PROTOCOL" : "CONNECTION_CLOSED", `the client ${ci.peerAddr}:${ci.peerPort} did not complete the connection (RDMA CM ${est.name}${r ? `: ${r.reason}` : ""})`);
+        const code = r?.code === REJECT_PROTOCOL ? "PROTOCOL" : r?.code === REJECT_AUTH ? "AUTH_FAILED" : "CONNECTION_CLOSED";
+        throw new RdmaError(code, `the client ${ci.peerAddr}:${ci.peerPort} did not complete the connection (RDMA CM ${est.name}${r ? `: ${r.reason}` : ""})`);
       }
       conn.start();
-      const rdma = new Rdma(conn, ctx, s, null);
+      const rdma = new Rdma(conn, ctx, s, null, { address: canonicalIp(ci.peerAddr), port: ci.peerPort, identity: authed ? authed.identity : null });
       holder.rdma = rdma;
       attach(rdma, conn, child);
       cmIdOf.set(rdma, child);
@@ -388,7 +620,7 @@ async function bindCm(
       const err = e instanceof RdmaError ? e : new RdmaError("PROTOCOL", String(e));
       if (!accepted && !child.isDestroyed) {
         try {
-          child.reject(encodeReject(err.code === "PROTOCOL" ? REJECT_PROTOCOL : REJECT_REFUSED, err.message));
+          child.reject(encodeReject(rejectCode(err), wireMessage(err)));
         } catch {
           /* the client is gone */
         }
@@ -403,6 +635,7 @@ async function bindCm(
 
   id.onEvent = (e: CmEvent) => {
     if (e.type === T.CONNECT_REQUEST && e.child) {
+      if (!closed && kindOf(e.privateData) === KIND_AUTH_REQUEST) return challengeOf(e.child, e);
       if (closed || pending.size >= base.maxHandshakes) {
         const why = closed ? "the listener is closed" : `the server is busy: ${pending.size} connections are being set up (its limit); retry later`;
         try {
@@ -428,6 +661,7 @@ async function bindCm(
       if (closed) return;
       closed = true;
       id.destroy();
+      challenges.clear();
       for (const c of [...pending]) c.destroy();
       await releaseContexts();
     },

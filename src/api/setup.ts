@@ -37,8 +37,8 @@ export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDe
     maxInline: qp.caps.maxInlineData,
     keepaliveMs: s.keepaliveMs,
     maxMessageSize: s.maxMessageSize,
-    // (the peer as the connection describes it: rdma.peer once authentication provides it)
-    shares: { find: (key) => ctx.shares.find(key), peer: () => (holder.rdma as { peer?: unknown } | null)?.peer ?? null },
+    // allow(peer) callbacks see rdma.peer (address, port, proven identity)
+    shares: { find: (key) => ctx.shares.find(key), peer: () => holder.rdma?.peer ?? null },
   };
   const conn = new Connection(qp, cq, ctx.pool, opts, peer, () => holder.rdma?.releaseResources());
   try {

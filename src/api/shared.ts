@@ -5,6 +5,7 @@
 import { RdmaError } from "../errors.js";
 import { checkAccess, type Share, type ShareAccess, type ShareTable } from "../agent/shares.js";
 import type { LocalMr } from "../memory/mr.js";
+import type { PeerInfo } from "./auth.js";
 
 export type { ShareAccess };
 
@@ -16,7 +17,7 @@ export interface ShareOptions {
    * `peer` is the connection's `rdma.peer`). Absent: every peer of the
    * listener or connection may open it.
    */
-  allow?: (peer: unknown) => boolean;
+  allow?: (peer: PeerInfo) => boolean;
 }
 
 export class SharedMr {
@@ -70,5 +71,5 @@ export function shareIn(table: ShareTable, name: unknown, lmr: LocalMr, opts: Sh
   const allow = opts?.allow;
   if (allow !== undefined && typeof allow !== "function") throw new RdmaError("INVALID_ARGUMENT", "share: allow must be a function (peer) => boolean");
   if (typeof name !== "string") throw new RdmaError("INVALID_ARGUMENT", "share: the name must be a non-empty string");
-  return new SharedMr(table.add(name, lmr, access, allow ?? null));
+  return new SharedMr(table.add(name, lmr, access, allow ? (peer) => allow(peer as PeerInfo) : null));
 }

@@ -8,17 +8,27 @@
  *           → hello → ready ← → hand out
  *
  * Nothing is allocated on the server until the whole hello is valid (fields,
- * provider, and for tcp an endpoint on the side channel's own peer); from
- * then on every failure goes through abandon(). Handshakes that hold
- * resources (a valid hello, no "ready" yet) are bounded per listener
- * (`maxHandshakes`), and so are the sockets still before their hello.
+ * provider, and for tcp an endpoint on the side channel's own peer) and, with
+ * authentication (setAuth), the client has proved it has the key; from then
+ * on every failure goes through abandon(). Handshakes that hold resources (a
+ * valid hello, no "ready" yet) are bounded per listener (`maxHandshakes`),
+ * and so are the sockets still before their hello or proof.
+ *
+ * Authenticated (both sides set a key; auth.ts has the primitives):
+ *
+ *   client: hello + auth{identity, nonce Nc} →
+ *   server:   ← challenge{nonce Ns, proof Ps}      Ps = MAC(K, "server proof", identity, Nc, Ns, client hello)
+ *   client: checks Ps, then proof{Pc} →            Pc = MAC(K, "client proof", identity, Nc, Ns, client hello)
+ *   server: checks Pc → allocate → hello + auth{mac} ←   mac = MAC(K, "server hello", …, server hello)
+ *   client: checks mac → ready →
  */
 import net from "node:net";
 import { RdmaError } from "../errors.js";
 import type { DeviceAttr } from "../transport/types.js";
 import type { Connection } from "../agent/connection.js";
 import { Context } from "./context.js";
-import { LineReader, PROTOCOL_VERSION, parseHello, peerEndpoint, sendLine } from "./handshake.js";
+import { LineReader, PROTOCOL_VERSION, canonicalIp, helloBytes, parseHello, peerEndpoint, sendLine, type Hello } from "./handshake.js";
+import { AUTH_FAILED_WIRE, authMac, authRefusal, b64Field, checkIdentity, macEqual, nonce, wireMessage } from "./auth.js";
 import { Rdma } from "./rdma.js";
 import { abandon, connectAttr, makeConnection } from "./setup.js";
 import type { ResolvedSettings } from "./builder.js";
@@ -36,6 +46,11 @@ async function openContext(base: ResolvedSettings, resolve: (attr: DeviceAttr) =
     throw e;
   }
 }
+
+/** Bytes of each side's nonce. */
+const NONCE_BYTES = 16;
+/** Bytes of a proof or MAC (HMAC-SHA256, whole). */
+const MAC_BYTES = 32;
 
 function hello(ctx: Context, conn: Connection, s: ResolvedSettings): Record<string, unknown> {
   return {
@@ -79,9 +94,31 @@ async function dial(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
       });
     });
     const reader = new LineReader(sock);
+    const where = `${addr.host}:${addr.port}`;
+    const peerAddr = { address: canonicalIp(sock.remoteAddress ?? addr.host), port: sock.remotePort ?? addr.port };
     conn = makeConnection(c, s, { recvDepth: 0, eagerMax: 0 }, holder);
-    sendLine(sock, hello(c, conn, s));
-    const reply = parseHello(await reader.nextJson().catch(rethrowTimeout(s, addr)), c.provider.name);
+    const mine = hello(c, conn, s);
+    const cred = s.auth ? { key: s.auth.clientKey(), identity: s.auth.identity, nc: nonce(NONCE_BYTES), ns: Buffer.alloc(0) as Buffer, mine: helloBytes(parseHello(mine, c.provider.name)) } : null;
+    if (cred) mine.auth = { identity: cred.identity, nonce: cred.nc.toString("base64") };
+    sendLine(sock, mine);
+    let msg = await reader.nextJson().catch(rethrowTimeout(s, addr));
+    if (cred) {
+      cred.ns = clientProve(sock, msg, cred, c.provider.name, where);
+      msg = await reader.nextJson().catch(rethrowTimeout(s, addr));
+    }
+    const reply = parseHello(msg, c.provider.name);
+    if (cred) {
+      const a = msg.auth as { mac?: unknown } | undefined;
+      let mac: Buffer | null = null;
+      try {
+        mac = b64Field(typeof a === "object" && a !== null ? a.mac : undefined, "auth.mac", MAC_BYTES);
+      } catch {
+        /* refused below */
+      }
+      if (!mac || !macEqual(mac, authMac(cred.key, "side-channel server hello", cred.identity, cred.nc, cred.ns, cred.mine, helloBytes(reply)))) {
+        throw new RdmaError("AUTH_FAILED", `the hello of the server at ${where} failed its authentication (altered in transit?): refusing it`);
+      }
+    }
     const endpoint = peerEndpoint(reply.endpoint, sock);
     conn.setPeer({ recvDepth: reply.recvDepth, eagerMax: reply.eagerMax, ...(reply.maxMessageSize === undefined ? {} : { maxMessageSize: reply.maxMessageSize }) });
     conn.qp.connect(endpoint, connectAttr(s, reply.maxRdAtomic));
@@ -89,7 +126,7 @@ async function dial(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
     sock.end();
     conn.start();
     const settings = s;
-    const rdma = new Rdma(conn, c, s, { addr, redial: (again) => dial(settings, () => settings, addr, undefined, again) });
+    const rdma = new Rdma(conn, c, s, { addr, redial: (again) => dial(settings, () => settings, addr, undefined, again) }, { ...peerAddr, identity: cred ? cred.identity : null });
     holder.rdma = rdma;
     return rdma;
   } catch (e) {
@@ -103,6 +140,31 @@ async function dial(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
   }
 }
 
+/**
+ * The client's side of the challenge: `msg` is the server's first answer.
+ * Checks the server's proof (mutual authentication: a server without the
+ * key, or that does not authenticate at all, is refused), then sends the
+ * client's proof. Returns the server's nonce.
+ */
+function clientProve(sock: net.Socket, msg: Record<string, unknown>, cred: { key: Buffer; identity: string; nc: Buffer; mine: Buffer }, provider: Hello["provider"], where: string): Buffer {
+  // another version, or a refusal (AUTH_FAILED when the server refused to authenticate): parseHello says which
+  if (msg.asyncRdma !== PROTOCOL_VERSION || typeof msg.error === "string") parseHello(msg, provider);
+  const ch = msg.challenge;
+  if (ch === undefined) {
+    throw new RdmaError("AUTH_FAILED", `the server at ${where} did not authenticate itself (it has no key set, or predates authentication): refusing it`);
+  }
+  if (typeof ch !== "object" || ch === null || Array.isArray(ch)) throw new RdmaError("PROTOCOL", "handshake field challenge is invalid");
+  const c = ch as { nonce?: unknown; proof?: unknown };
+  const ns = b64Field(c.nonce, "challenge.nonce", NONCE_BYTES);
+  const ps = b64Field(c.proof, "challenge.proof", MAC_BYTES);
+  if (!macEqual(ps, authMac(cred.key, "side-channel server proof", cred.identity, cred.nc, ns, cred.mine))) {
+    sendLine(sock, { asyncRdma: PROTOCOL_VERSION, error: "the server's proof is wrong", code: "AUTH_FAILED" });
+    throw new RdmaError("AUTH_FAILED", `the server at ${where} did not prove it has the key: the keys differ, or the server does not know identity ${JSON.stringify(cred.identity)}`);
+  }
+  sendLine(sock, { proof: authMac(cred.key, "side-channel client proof", cred.identity, cred.nc, ns, cred.mine).toString("base64") });
+  return ns;
+}
+
 function rethrowTimeout(s: ResolvedSettings, addr: { host: string; port: number }) {
   return (e: unknown): never => {
     if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED" && (e.cause as Error | undefined)?.message === "timeout") {
@@ -110,6 +172,43 @@ function rethrowTimeout(s: ResolvedSettings, addr: { host: string; port: number 
     }
     throw e;
   };
+}
+
+/**
+ * The server's side of the challenge, before anything is allocated: a
+ * challenge (fresh nonce, this server's proof), then the client's proof,
+ * checked in constant time. An unknown identity gets a challenge like any
+ * other (its proof made with a key nobody has) and the same refusal as a
+ * wrong key; the record (listener.rejected) says which.
+ */
+async function serverVerify(sock: net.Socket, reader: LineReader, v: Record<string, unknown>, h: Hello, s: ResolvedSettings, who: string): Promise<{ key: Buffer; identity: string; nc: Buffer; ns: Buffer; theirs: Buffer }> {
+  const a = v.auth;
+  if (a === undefined) {
+    throw authRefusal(`client ${who} did not authenticate: this listener requires it (setAuth)`, "this server requires authentication: set the key with setAuth({ key, identity })");
+  }
+  if (typeof a !== "object" || a === null || Array.isArray(a)) throw new RdmaError("PROTOCOL", "handshake field auth is invalid");
+  const f = a as { identity?: unknown; nonce?: unknown };
+  const identity = checkIdentity(f.identity, "PROTOCOL");
+  const nc = b64Field(f.nonce, "auth.nonce", NONCE_BYTES);
+  const rk = s.auth!.resolve(identity);
+  const ns = nonce(NONCE_BYTES);
+  const theirs = helloBytes(h);
+  const label = `client ${who} (identity ${JSON.stringify(identity)})`;
+  const why = rk.known ? "" : ` (${rk.why})`;
+  sendLine(sock, { asyncRdma: PROTOCOL_VERSION, challenge: { nonce: ns.toString("base64"), proof: authMac(rk.key, "side-channel server proof", identity, nc, ns, theirs).toString("base64") } });
+  let m: Record<string, unknown>;
+  try {
+    m = await reader.nextJson();
+  } catch (e) {
+    if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") throw authRefusal(`${label} did not complete authentication (closed, or silent until the connect timeout)${why}`, AUTH_FAILED_WIRE);
+    throw e;
+  }
+  if (typeof m.error === "string") throw authRefusal(`${label} refused this server's proof: it does not have this key${why}`, AUTH_FAILED_WIRE);
+  const pc = b64Field(m.proof, "proof", MAC_BYTES);
+  if (!macEqual(pc, authMac(rk.key, "side-channel client proof", identity, nc, ns, theirs)) || !rk.known) {
+    throw authRefusal(`${label} failed authentication: ${rk.known ? "wrong proof" : rk.why}`, AUTH_FAILED_WIRE);
+  }
+  return { key: rk.key, identity, nc, ns, theirs };
 }
 
 /** Server side: a TCP listener whose accepted sockets run the handshake. */
@@ -132,19 +231,30 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
     let fork: Context | null = null;
     let slot = false;
     sock.on("error", () => {});
+    const who = `${canonicalIp(sock.remoteAddress ?? "?")}:${sock.remotePort ?? 0}`;
+    const peerAddr = { address: canonicalIp(sock.remoteAddress ?? ""), port: sock.remotePort ?? 0 };
     const timer = setTimeout(() => sock.destroy(new Error("timeout")), s.connectTimeoutMs);
     try {
       const reader = new LineReader(sock);
-      let h;
+      let h: Hello;
       let endpoint;
+      let authed: { key: Buffer; identity: string; nc: Buffer; ns: Buffer; theirs: Buffer } | null = null;
       try {
-        h = parseHello(await reader.nextJson(), ctx.provider.name);
+        const v = await reader.nextJson();
+        h = parseHello(v, ctx.provider.name);
         endpoint = peerEndpoint(h.endpoint, sock);
+        if (s.auth) authed = await serverVerify(sock, reader, v, h, s, who);
+        else if (v.auth !== undefined) {
+          throw authRefusal(`client ${who} asked to authenticate, but this listener has no key (setAuth)`, "this server does not authenticate peers (it has no key): the client's key cannot be checked");
+        }
         if (allocated >= s.maxHandshakes) {
           throw new RdmaError("CONNECTION_REFUSED", `the server is busy: ${allocated} connections are being set up (its limit); retry later`);
         }
       } catch (e) {
-        if (e instanceof RdmaError && e.code !== "CONNECTION_CLOSED") sendLine(sock, { asyncRdma: PROTOCOL_VERSION, error: e.message });
+        if (e instanceof RdmaError && e.code !== "CONNECTION_CLOSED" && !sock.destroyed) {
+          // an authentication refusal tells the client no more than AUTH_FAILED_WIRE (never whether the identity exists)
+          sendLine(sock, { asyncRdma: PROTOCOL_VERSION, error: wireMessage(e), ...(e.code === "AUTH_FAILED" ? { code: "AUTH_FAILED" } : {}) });
+        }
         throw e;
       }
       if (closed) throw new RdmaError("CONNECTION_REFUSED", "the listener is closed");
@@ -154,13 +264,18 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
       fork = ctx.fork();
       conn = makeConnection(fork, s, { recvDepth: h.recvDepth, eagerMax: h.eagerMax, ...(h.maxMessageSize === undefined ? {} : { maxMessageSize: h.maxMessageSize }) }, holder);
       conn.qp.connect(endpoint, connectAttr(s, h.maxRdAtomic));
-      sendLine(sock, hello(fork, conn, s));
+      const mine = hello(fork, conn, s);
+      if (authed) {
+        const a = authed;
+        mine.auth = { mac: authMac(a.key, "side-channel server hello", a.identity, a.nc, a.ns, a.theirs, helloBytes(parseHello(mine, fork.provider.name))).toString("base64") };
+      }
+      sendLine(sock, mine);
       const ready = await reader.nextJson();
       if (ready.ready !== true) throw new RdmaError("PROTOCOL", "the client did not confirm the connection");
       if (conn.failure) throw conn.failure;
       sock.end();
       conn.start();
-      const rdma = new Rdma(conn, fork, s, null);
+      const rdma = new Rdma(conn, fork, s, null, { ...peerAddr, identity: authed ? authed.identity : null });
       holder.rdma = rdma;
       conn = null;
       fork = null;

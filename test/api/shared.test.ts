@@ -111,6 +111,30 @@ describe(`shared regions [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () 
     }
   });
 
+  it("allow(peer) sees the identity a peer proved (authenticated connections): only alice opens", async () => {
+    const alice = "alice-secret-0123456789";
+    const bob = "bob-secret-0123456789ab";
+    const listener = await builder("server").setAuth({ keys: { alice, bob } }).bind(at(0));
+    const lmr = listener.allocLocalMr(8);
+    const seen: (string | null)[] = [];
+    listener.share("alice-only", lmr, { access: "atomic", allow: (peer) => (seen.push(peer.identity), peer.identity === "alice") });
+    const pairs: { c: Rdma; s: Rdma }[] = [];
+    try {
+      for (const [identity, key] of [["alice", alice], ["bob", bob]] as const) {
+        const [c, s] = await Promise.all([builder("client").setAuth({ key, identity }).connect(at(listener.port)), listener.accept({ timeoutMs: 60_000 })]);
+        pairs.push({ c, s });
+      }
+      const r = await pairs[0]!.c.openSharedMr("alice-only");
+      await pairs[0]!.c.fetchAndAdd(r, 5n);
+      await assert.rejects(pairs[1]!.c.openSharedMr("alice-only"), code("NOT_FOUND"));
+      assert.deepEqual(seen, ["alice", "bob"]);
+      assert.equal(lmr.view(BigUint64Array)[0], 5n);
+    } finally {
+      await closeAll(pairs);
+      await listener.close();
+    }
+  });
+
   it("access is exactly what was shared: refused locally, and by the device when forced; the owner's bytes are untouched", async () => {
     const listener = await builder("server").bind(at(0));
     const lmr = listener.allocLocalMr(64);
