@@ -39,7 +39,9 @@ import { type Tables, type Waiter, deadline, fcParams, hex, runs, settledRssMiB,
 const PEER_DEPTH = 64;
 const CASE_MS = 30_000 * SLOW;
 const U32 = 0xffffffff;
-const DESC_TYPES = new Set<number>([MsgType.RNDV, MsgType.MR_GRANT, MsgType.MR_LEND]);
+const DESC_TYPES = new Set<number>([MsgType.RNDV, MsgType.MR_GRANT, MsgType.MR_LEND, MsgType.MR_SHARED, MsgType.LIMITS]);
+/** Access flags a grant, lend or request may carry (docs/wire-format.md): read, read+write, read+write+atomic. */
+const ACCESS_OK = new Set<number>([0x4, 0x6, 0xe]);
 
 // ----------------------------------------------------------------- the model
 
@@ -83,15 +85,17 @@ function verdict(b: Uint8Array, honest: boolean, m: Model, c: Ctx): Verdict {
   if (len < 24) return fatal(`${len} bytes: shorter than a header`);
   const dv = new DataView(b.buffer, b.byteOffset, len);
   if (b[0] !== 0xa7) return fatal("bad magic");
-  if (b[1] !== 2) return fatal(`version ${b[1]}`);
+  if (b[1] !== 3) return fatal(`version ${b[1]}`);
   const type = b[2]!;
   const flags = b[3]!;
-  if (type < 1 || type > 15) return fatal(`type ${type}`);
+  if (type < 1 || type > 21) return fatal(`type ${type}`);
   if (flags & ~1) return fatal(`flags ${flags}`);
   if (type !== MsgType.DATA && flags & 1) return fatal("immediate flag on a control message");
   if (DESC_TYPES.has(type)) {
     if (len !== 40) return fatal(`descriptor message of ${len} bytes`);
     if (dv.getUint32(24) >= 0x200000) return fatal("address beyond 2^53");
+  } else if (type === MsgType.MR_OPEN) {
+    if (len !== 40) return fatal(`MR_OPEN of ${len} bytes`);
   } else if (type !== MsgType.DATA && len !== 24) return fatal(`type ${type} with ${len} bytes`);
   let unsure: Verdict | null = null;
   if (!honest) {
@@ -126,6 +130,7 @@ function verdict(b: Uint8Array, honest: boolean, m: Model, c: Ctx): Verdict {
       case MsgType.CLOSE:
         return fatal("CLOSE", "CONNECTION_CLOSED");
       case MsgType.MR_REQUEST: {
+        if (!ACCESS_OK.has(dv.getUint32(8))) return fatal(`MR_REQUEST asks for access flags 0x${dv.getUint32(8).toString(16)}`);
         if (m.liveTokens.has(token)) return fatal(`MR_REQUEST reuses live token ${token}`);
         if (m.requestTokens.has(token)) {
           m.tainted = true;
@@ -134,6 +139,10 @@ function verdict(b: Uint8Array, honest: boolean, m: Model, c: Ctx): Verdict {
         m.requestTokens.add(token);
         return OK;
       }
+      case MsgType.MR_LEND:
+        return ACCESS_OK.has(dv.getUint32(8)) ? OK : fatal(`MR_LEND with access flags 0x${dv.getUint32(8).toString(16)}`);
+      case MsgType.LIMITS:
+        return fatal("LIMITS sent twice (the peer sent its own at the start)");
       case MsgType.MR_RELEASE:
         for (const [t, id] of m.liveTokens) if (id === token) m.liveTokens.delete(t);
         return OK;
@@ -435,7 +444,7 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
         return [OK];
       case "request": {
         const token = nextToken(s);
-        return [send(enc({ type: MsgType.MR_REQUEST, token, a: a.size, b: a.lease }), true)];
+        return [send(enc({ type: MsgType.MR_REQUEST, token, a: a.size, b: a.lease, imm: 0xe }), true)];
       }
       case "rndv": {
         const off = a.off % p.rndvMr.length;
@@ -450,18 +459,18 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
       case "reuseLive": {
         // A grant we know is live (lease: an hour), then its request token again.
         const token = nextToken(s);
-        const v = send(enc({ type: MsgType.MR_REQUEST, token, a: 8, b: 3_600_000 }), true);
+        const v = send(enc({ type: MsgType.MR_REQUEST, token, a: 8, b: 3_600_000, imm: 0xe }), true);
         const answer = await p.answerTo(token, failed, CASE_MS);
         if (answer === "granted") s.model.liveTokens.set(token, p.grants.get(token)!.id);
-        return [v, send(enc({ type: MsgType.MR_REQUEST, token, a: 8, b: 0 }), true)];
+        return [v, send(enc({ type: MsgType.MR_REQUEST, token, a: 8, b: 0, imm: 0xe }), true)];
       }
       case "flood": {
         const out: Verdict[] = [];
         for (let i = 0; i < a.n; i++) {
           if (a.what === "ping") out.push(send(enc({ type: MsgType.PING, token: i }), true));
           else if (a.what === "data") out.push(send(enc({ type: MsgType.DATA, a: i % 64 }, i % 64, i & 0xff), true));
-          else if (a.what === "request") out.push(send(enc({ type: MsgType.MR_REQUEST, token: nextToken(s), a: 1 + (i % 512) }), true));
-          else if (a.what === "lend") out.push(send(enc({ type: MsgType.MR_LEND, token: i + 1, a: 64, b: 60_000, addr: 0x1000 + i * 64, rkey: 77 }), true));
+          else if (a.what === "request") out.push(send(enc({ type: MsgType.MR_REQUEST, token: nextToken(s), a: 1 + (i % 512), imm: 0xe }), true));
+          else if (a.what === "lend") out.push(send(enc({ type: MsgType.MR_LEND, token: i + 1, a: 64, b: 60_000, addr: 0x1000 + i * 64, rkey: 77, imm: 0xe }), true));
           else {
             p.writeImm(i);
             inputs++;
@@ -594,7 +603,7 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
       { weight: 2, arbitrary: fc.record({ k: fc.constant("deny" as const), reason: fc.oneof(fc.constantFrom(1, 2, 3), u32) }) },
       { weight: 1, arbitrary: fc.constant({ k: "silence" as const }) },
     );
-    const DENY_CODES: Record<number, string> = { 1: "QUOTA_EXCEEDED", 2: "OUT_OF_RANGE" };
+    const DENY_CODES: Record<number, string> = { 1: "QUOTA_EXCEEDED", 2: "OUT_OF_RANGE", 4: "NOT_FOUND", 6: "OUT_OF_RANGE", 7: "QUOTA_EXCEEDED" };
     // a connection left by an earlier test that failed is not this test's
     if (cur) await retire(cur).catch(() => (cur = null));
     let cases = 0;
@@ -622,7 +631,7 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
           expect = DENY_CODES[r.reason] ?? "RESOURCE_EXHAUSTED";
         } else if (r.k === "silence" || r.tokenDelta !== 0) {
           if (r.k === "grant") {
-            p.send({ type: MsgType.MR_GRANT, token: (m.token + r.tokenDelta) >>> 0, id: r.id, a: size, b: 0, addr: g.addr, rkey: g.rkey });
+            p.send({ type: MsgType.MR_GRANT, token: (m.token + r.tokenDelta) >>> 0, id: r.id, a: size, b: 0, addr: g.addr, rkey: g.rkey, imm: 0xe });
             inputs++;
           }
           expect = "TIMEOUT";
@@ -630,11 +639,12 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
           const a = Math.max(0, size + r.sizeDelta);
           const addr = Math.max(0, g.addr + r.off);
           const rkey = r.foreignKey ? (g.rkey ^ 0x5a5a5a5a) >>> 0 : g.rkey;
-          p.send({ type: MsgType.MR_GRANT, token: m.token, id: r.id, a, b: r.lease, addr, rkey });
-          if (r.twice) p.send({ type: MsgType.MR_GRANT, token: m.token, id: (r.id + 1) >>> 0, a, b: r.lease, addr, rkey });
+          p.send({ type: MsgType.MR_GRANT, token: m.token, id: r.id, a, b: r.lease, addr, rkey, imm: 0xe });
+          if (r.twice) p.send({ type: MsgType.MR_GRANT, token: m.token, id: (r.id + 1) >>> 0, a, b: r.lease, addr, rkey, imm: 0xe });
           inputs += r.twice ? 2 : 1;
-          if (r.lease === 0) expect = "LEASE_EXPIRED";
-          else if (a < size) expect = "OUT_OF_RANGE";
+          // A grant of another size than requested is a protocol breach (docs/wire-format.md, version 3).
+          if (a !== size) expect = "PROTOCOL";
+          else if (r.lease === 0) expect = "LEASE_EXPIRED";
           else if (rkey === g.rkey && addr >= g.addr && addr + size <= g.addr + g.length) {
             expect = "ok";
             landed = [addr - g.addr, addr - g.addr + size];
@@ -668,8 +678,8 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
           if (gv[i] !== (inside ? 0x42 : 0xee)) assert.fail(`${what}: byte ${i} of the peer's region is ${gv[i]}`);
         }
         watch.check();
-        if (got === "REMOTE_ACCESS") {
-          assert.ok(s.rdma.conn.failure instanceof RdmaError, "a refused write fails the connection, typed");
+        if (got === "REMOTE_ACCESS" || got === "PROTOCOL") {
+          assert.ok(s.rdma.conn.failure instanceof RdmaError, "a refused write or a lying grant fails the connection, typed");
           await retire(s);
         } else if (s.cases >= 50) await retire(s);
       }),

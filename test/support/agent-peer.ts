@@ -156,6 +156,8 @@ export class RawAgentPeer {
       sock.end();
       p.cq.requestNotify();
       p.drain(false);
+      // An agent's first message states its limits (protocol v3): the server hands the connection out once it has them.
+      p.send({ type: MsgType.LIMITS, a: 0xffffffff, b: 0xffffffff, addr: 2 ** 40, rkey: 0xffffffff });
       return p;
     } catch (e) {
       sock.destroy();
