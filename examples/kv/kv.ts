@@ -85,6 +85,9 @@ export class KvClient {
   /** READs that caught a slot mid-write and were done again. */
   retries = 0;
   private rpcs: Promise<unknown> = Promise.resolve();
+  /** Registered buffers, allocated once and reused: spare bucket copies, and the request buffer (one request at a time). */
+  private readonly spareBuckets: LocalMr[] = [];
+  private request: LocalMr | null = null;
 
   private constructor(
     readonly rdma: Rdma,
@@ -109,12 +112,16 @@ export class KvClient {
     const k = this.key(key);
     const at = bucketOffset(this.geometry, k);
     const remote = this.table.slice(at, at + bucketBytes(this.geometry));
-    using bucket = this.rdma.allocLocalMr(remote.length);
-    for (let i = 0; i < maxReads; i++) {
-      await this.rdma.read(bucket, remote);
-      const v = findInBucket(bucket.bytes, k, this.geometry);
-      if (v !== TORN) return v === null ? null : v.slice();
-      this.retries++;
+    const bucket = this.spareBuckets.pop() ?? this.rdma.allocLocalMr(remote.length);
+    try {
+      for (let i = 0; i < maxReads; i++) {
+        await this.rdma.read(bucket, remote);
+        const v = findInBucket(bucket.bytes, k, this.geometry);
+        if (v !== TORN) return v === null ? null : v.slice();
+        this.retries++;
+      }
+    } finally {
+      this.spareBuckets.push(bucket);
     }
     throw new Error(`get(${key}): the bucket was being written during each of ${maxReads} reads`);
   }
@@ -137,9 +144,12 @@ export class KvClient {
     return (await this.call(DELETE, this.key(key))).status === OK;
   }
 
-  /** Closes this side's open of the table (the connection stays). */
+  /** Closes this side's open of the table and frees its buffers (the connection stays). */
   close(): void {
     this.table.dispose();
+    for (const b of this.spareBuckets.splice(0)) b.dispose();
+    this.request?.dispose();
+    this.request = null;
   }
 
   private key(key: string): Uint8Array {
@@ -151,14 +161,14 @@ export class KvClient {
   /** One request and its reply; requests go one at a time (replies come in order). */
   private call(op: number, key: Uint8Array, value: Uint8Array = new Uint8Array(0)): Promise<{ status: number; value: Uint8Array }> {
     const next = this.rpcs.then(async () => {
-      using req = this.rdma.allocLocalMr(4 + key.length + value.length);
-      const b = req.bytes;
+      this.request ??= this.rdma.allocLocalMr(4 + this.geometry.keyMax + this.geometry.valueMax);
+      const b = this.request.bytes;
       b[0] = op;
       b[1] = key.length;
       new DataView(b.buffer, b.byteOffset).setUint16(2, value.length, true);
       b.set(key, 4);
       b.set(value, 4 + key.length);
-      await this.rdma.send(req);
+      await this.rdma.send(this.request.slice(0, 4 + key.length + value.length));
       using reply = await this.rdma.receive();
       const r = reply.bytes;
       const len = new DataView(r.buffer, r.byteOffset).getUint16(2, true);
