@@ -1,5 +1,5 @@
 #!/bin/sh
-# npm run test:verbs — the whole conformance, API and lifetime/memory suite on the verbs provider,
+# npm run test:verbs — the whole conformance, API, lifetime/memory and fuzz suite on the verbs provider,
 # on real libibverbs against Soft-RoCE inside the QEMU guest:
 #   1. layout "single": one rxe device, both ends on it;
 #   2. layout "veth":   rxe0 and rxe1 joined by a veth wire (two "hosts").

@@ -620,6 +620,11 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
         gv.fill(0xee);
         const asked = p.requests.length;
         const req = s.rdma.requestRemoteMr(size, { timeoutMs: r.k === "silence" || (r.k === "grant" && r.tokenDelta !== 0) ? 100 * SLOW : CASE_MS, leaseMs: 3_600_000 });
+        // Settled in its own time (the short timeout may fire while we wait for the MR_REQUEST): handled now, examined below.
+        const answered = req.then(
+          (rmr) => ({ rmr }),
+          (err: unknown) => ({ err }),
+        );
         await p.w.until(() => p.requests.length > asked, "the server's MR_REQUEST", CASE_MS);
         const m = p.requests[asked]!;
         assert.equal(m.a, size, "the MR_REQUEST names the size asked for");
@@ -652,7 +657,9 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
         }
         let got: string;
         try {
-          const rmr = await deadline(req, CASE_MS, "requestRemoteMr to settle");
+          const a = await deadline(answered, CASE_MS, "requestRemoteMr to settle");
+          if ("err" in a) throw a.err;
+          const rmr = a.rmr;
           const lmr = s.rdma.allocLocalMr(size);
           lmr.bytes.fill(0x42);
           try {

@@ -276,7 +276,7 @@ describe(`side channel fuzz [${PROVIDER}]`, { skip: CM !== "tcp" && "the side ch
   }
 
   before(async () => {
-    listener = await builder().setConnectTimeout(5_000 * SLOW).bind("127.0.0.1:0");
+    listener = await builder().setConnectTimeout(15_000 * SLOW).bind("127.0.0.1:0");
     sink = net.createServer((s) => {
       held.add(s);
       s.on("error", () => {});
