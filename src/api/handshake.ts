@@ -43,6 +43,8 @@ export class LineReader {
       this.buf += d;
       let i: number;
       while ((i = this.buf.indexOf("\n")) >= 0) {
+        // every line is bounded, however it arrives (one read or many)
+        if (i > MAX_LINE) return this.failWith(new RdmaError("PROTOCOL", "handshake message too long"));
         this.lines.push(this.buf.slice(0, i));
         this.buf = this.buf.slice(i + 1);
       }
