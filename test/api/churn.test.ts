@@ -57,7 +57,9 @@ function cut(rdma: Rdma): void {
 
 describe(`API churn [${PROVIDER}, ${CM}]`, { timeout: 3_600_000 }, () => {
   let listener: RdmaListener;
-  const devices = new Set<Device>();
+  // By name, the latest instance: a device whose last connection closed is opened afresh by the
+  // next one (two devices: the veth layout), and the closed instance is no longer the device.
+  const devices = new Map<string, Device>();
   const watch = watchUnhandled();
   const counts = new Map<string, number>();
 
@@ -78,8 +80,8 @@ describe(`API churn [${PROVIDER}, ${CM}]`, { timeout: 3_600_000 }, () => {
 
   async function pair(): Promise<[Rdma, Rdma]> {
     const [c, s] = await deadline(Promise.all([liveness(builder("client")).connect(at(listener.port)), listener.accept({ timeoutMs: STEP_MS })]), STEP_MS, "connect");
-    devices.add(c.ctx.device);
-    devices.add(s.ctx.device);
+    devices.set(c.ctx.device.name, c.ctx.device);
+    devices.set(s.ctx.device.name, s.ctx.device);
     return [c, s];
   }
 
@@ -172,7 +174,7 @@ describe(`API churn [${PROVIDER}, ${CM}]`, { timeout: 3_600_000 }, () => {
   }
 
   function snapshot(): { tables: Tables[]; fds: number; budget: number } {
-    return { tables: [...devices].map((d) => tables(d)), fds: fdCount(), budget: peerMemoryUsage().used };
+    return { tables: [...devices.values()].map((d) => tables(d)), fds: fdCount(), budget: peerMemoryUsage().used };
   }
 
   it(`${CYCLES} connect/close cycles (${KINDS.join(", ")}): tables, peer memory, file descriptors and RSS back to the baseline`, async () => {
