@@ -27,6 +27,11 @@ export class LocalMemory {
   private readonly onFree: (() => void) | null;
   /** Run when the memory is released, before it is freed (shares revoke themselves here). */
   readonly beforeFree = new Set<() => void>();
+  /**
+   * Set by the owner of recyclable memory (a connection's receive buffers):
+   * takes the allocation back instead of freeing it; false frees it.
+   */
+  recycle: ((alloc: Allocation) => boolean) | null = null;
 
   constructor(pool: MrPool | null, alloc: Allocation, onFree: (() => void) | null = null) {
     this.pool = pool;
@@ -77,6 +82,7 @@ export class LocalMemory {
 
   private doFree(): void {
     this.freePending = false;
+    if (this.pool && this.recycle?.(this.alloc)) return this.onFree?.();
     if (this.pool) this.pool.free(this.alloc);
     else this.alloc.mr.deregister();
     this.onFree?.();

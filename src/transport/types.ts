@@ -377,6 +377,15 @@ export interface MemoryRegion {
    * then registers each allocation separately.
    */
   aliasBuffer?(offset: number, length: number): ArrayBuffer;
+  /**
+   * Optional (providers whose memory is a plain JS ArrayBuffer they
+   * allocated): detaches every view of `buffer` and replaces it with a fresh
+   * ArrayBuffer over the same bytes, which stay registered. Returns false
+   * when it cannot now (a socket write still reads the bytes). The memory
+   * layer recycles receive buffers with it: a buffer handed to the user and
+   * disposed is re-posted, and no view the user kept can see its next use.
+   */
+  renewBuffer?(): boolean;
 }
 
 export interface MemoryWindow {
@@ -402,6 +411,13 @@ export interface CompletionQueue {
   requestNotify(): void;
   /** Handler for notifications requested by {@link requestNotify}. */
   onNotify: (() => void) | null;
+  /**
+   * Completions are produced only by this thread's event loop (a software
+   * provider), never by hardware behind its back: an armed CQ is always
+   * notified, and polling between events can find nothing new. Busy and
+   * adaptive polling then wait for the notification instead of spinning.
+   */
+  readonly eventDriven?: boolean;
   destroy(): void;
 }
 
