@@ -95,6 +95,9 @@ describe(`documentation code blocks [${PROVIDER}]`, () => {
       const runnable = files.filter((f) => relative(join(root, "docs"), f).startsWith(part + "/")).flatMap(blocksOf).filter((b) => "run" in kindOf(b.info) && (kindOf(b.info) as { run: boolean }).run);
       assert.ok(runnable.length >= 1, `docs/${part} has no runnable block`);
     }
+    // the Chinese tutorial is a translation: the same programs, flow for flow
+    const count = (lang: string): number => files.filter((f) => f.includes(join("tutorial", lang))).flatMap(blocksOf).filter((b) => b.info === "ts" || b.info === "js").length;
+    assert.equal(count("zh"), count("en"), "docs/tutorial/zh and docs/tutorial/en have different numbers of programs");
   });
   for (const file of files) {
     const rel = relative(root, file);
