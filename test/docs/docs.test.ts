@@ -10,7 +10,8 @@
  *   placeholder address); the reason is required.
  * - ```sh, ```text: shell commands or program output, not run.
  * Any other fence (a bare ``` included) fails the test: every block is
- * either run or marked with why it is not.
+ * either run or marked with why it is not. README.md's programs are run by
+ * test/api/readme.test.ts; here its fences are checked the same way.
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
@@ -119,5 +120,20 @@ describe(`documentation code blocks [${PROVIDER}]`, () => {
       });
     });
   }
+  // README.md: its runnable blocks are run by test/api/readme.test.ts (marked
+  // <!-- run -->); here every other fence must be marked too, and no program
+  // may be left unmarked (so none escapes both tests).
+  it("README.md: every block is marked, every program is run", () => {
+    const file = join(root, "README.md");
+    const lines = readFileSync(file, "utf8").split("\n");
+    for (const b of blocksOf(file)) {
+      const k = kindOf(b.info);
+      assert.ok(!("bad" in k), `README.md:${b.line}: ${"bad" in k ? k.bad : ""}`);
+      if ("run" in k && k.run) {
+        const before = lines.slice(0, b.line - 1).reverse().find((l) => l.trim() !== "");
+        assert.equal(before?.trim(), "<!-- run -->", `README.md:${b.line}: a program not marked <!-- run --> (readme.test.ts would not run it)`);
+      }
+    }
+  });
   it("cleans up", () => rmSync(dir, { recursive: true, force: true }));
 });
