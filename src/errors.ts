@@ -6,6 +6,7 @@
  * This module sits below every layer (transport included): it has no imports.
  */
 
+/** The stable codes of RdmaError (see the guide's table of what each means). */
 export type RdmaErrorCode =
   | "REMOTE_ACCESS"
   | "REMOTE_INVALID_REQUEST"
@@ -31,6 +32,7 @@ export type RdmaErrorCode =
   | "ABORTED"
   | "DEVICE";
 
+/** Where an RdmaError came from. */
 export interface RdmaErrorOptions {
   /** Name of the verbs work-completion status, e.g. "REM_ACCESS_ERR". */
   wcStatus?: string;
@@ -49,6 +51,7 @@ export class RdmaError extends Error {
   readonly wcStatus: string | undefined;
   readonly errno: string | undefined;
 
+  /** An error with a stable `code`, a message saying what went wrong, and optionally the completion status and errno that caused it. */
   constructor(code: RdmaErrorCode, message: string, options: RdmaErrorOptions = {}) {
     super(message, options.cause === undefined ? undefined : { cause: options.cause });
     this.name = "RdmaError";
@@ -58,6 +61,12 @@ export class RdmaError extends Error {
   }
 }
 
+/**
+ * Whether `e` is an RdmaError (with `code`, when given).
+ *
+ * @example
+ * if (isRdmaError(e, "LEASE_EXPIRED")) rmr = await rdma.requestRemoteMr(8);
+ */
 export function isRdmaError(e: unknown, code?: RdmaErrorCode): e is RdmaError {
   return e instanceof RdmaError && (code === undefined || e.code === code);
 }

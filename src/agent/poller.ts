@@ -20,6 +20,7 @@
  */
 import { CompletionBuffer, type CompletionQueue } from "../transport/types.js";
 
+/** How completions are noticed: "event" (sleep until the device signals), "busy" (poll every event-loop turn) or "adaptive" (poll for spinUs after activity, then sleep). See RdmaBuilder.setPolling. */
 export type PollingMode = "event" | "busy" | "adaptive";
 
 /** Completions handled per event-loop turn before yielding ("512 ops" as zeromq.js does). */

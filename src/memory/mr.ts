@@ -140,6 +140,7 @@ export class LocalMr {
     return new LocalMr(this.mem, this.start + start, end - start);
   }
 
+  /** Whether the memory was given back (dispose, or its connection closed). */
   get disposed(): boolean {
     return this.mem.disposed;
   }
@@ -156,6 +157,7 @@ export class LocalMr {
     this.mem.release();
   }
 
+  /** `using lmr = ...`: disposes at the end of the scope. */
   [Symbol.dispose](): void {
     if (!this.mem.disposed && this.mem.lentTo === null) this.mem.release();
   }
@@ -195,7 +197,9 @@ export class RemoteLease {
   }
 }
 
+/** Where a RemoteMr came from: requestRemoteMr ("granted"), receiveRemoteMr ("lent") or openSharedMr ("shared"). */
 export type RemoteOrigin = "granted" | "lent" | "shared";
+/** Rights on a remote region: "read", "write" (read and write) or "atomic" (read, write and atomics). */
 export type RemoteAccess = "read" | "write" | "atomic";
 
 /**
@@ -237,10 +241,12 @@ export class RemoteMr {
     return this.lease.deadline;
   }
 
+  /** Whether this side gave the region up (dispose, sendRemoteMr) or its connection closed. */
   get released(): boolean {
     return this.lease.released;
   }
 
+  /** Bytes [start, end) of the remote region (empty slices allowed), with the same lease and rights. */
   slice(start: number, end: number = this.length): RemoteMr {
     if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > this.length || start > end) {
       throw new RdmaError("OUT_OF_RANGE", `slice(${start}, ${end}) is outside this ${this.length}-byte remote region`);
@@ -271,6 +277,7 @@ export class RemoteMr {
     this.lease.release();
   }
 
+  /** `using rmr = ...`: gives the region back at the end of the scope. */
   [Symbol.dispose](): void {
     this.lease.release();
   }

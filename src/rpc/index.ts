@@ -39,6 +39,7 @@ const SPARE_BUFFERS = 8;
 /** An error a handler threw (or the server's answer to an unknown method), carried back to the caller. */
 export class RpcError extends Error {
   override readonly name = "RpcError";
+  /** `code`: the handler error's code; `message`: its message; `method`: the method called. */
   constructor(
     /** The handler error's `code` ("HANDLER_ERROR" when it had none; "NOT_FOUND" for an unknown method). */
     readonly code: string,
@@ -50,6 +51,7 @@ export class RpcError extends Error {
   }
 }
 
+/** What a handler learns about its call. */
 export interface RpcContext {
   method: string;
   /** Aborts when the caller cancels (abort, timeout) or the connection ends. */
@@ -58,6 +60,7 @@ export interface RpcContext {
   rdma: Rdma;
 }
 
+/** A method's implementation: the call's payload in, the reply's bytes out (nothing: an empty reply). A thrown error goes back to the caller as an RpcError. */
 export type RpcHandler = (payload: Uint8Array, ctx: RpcContext) => Uint8Array | void | Promise<Uint8Array | void>;
 
 interface Frame {
@@ -201,15 +204,24 @@ function errorFrame(id: number, e: unknown): Uint8Array {
   return encodeFrame(ERROR, id, null, enc.encode(JSON.stringify({ code: code.slice(0, 100), message: message.slice(0, 4000) })));
 }
 
+/** Options of `new RpcServer(handlers, opts)`. */
 export interface RpcServerOptions {
   /** Calls a connection may have running at once (default 128); past it the server stops reading and the client waits for credits. */
   maxInFlight?: number;
 }
 
+/**
+ * Answers calls with a handler per method.
+ *
+ * @example
+ * const server = new RpcServer({ echo: (payload) => payload });
+ * void server.listen(await new RdmaBuilder().bind("0.0.0.0:5555"));
+ */
 export class RpcServer {
   private readonly handlers: Map<string, RpcHandler>;
   private readonly maxInFlight: number;
 
+  /** `handlers`: method name → handler. */
   constructor(handlers: Record<string, RpcHandler>, opts: RpcServerOptions = {}) {
     if (handlers === null || typeof handlers !== "object") throw new RdmaError("INVALID_ARGUMENT", "RpcServer: handlers must be an object of functions");
     this.handlers = new Map();
@@ -304,6 +316,7 @@ export class RpcServer {
   }
 }
 
+<<<<<<< HEAD
 /** A call being handled: its context, with the AbortSignal made only if the handler asks for it. */
 class Running implements RpcContext {
   private ac: AbortController | null = null;
@@ -331,12 +344,23 @@ class Running implements RpcContext {
   }
 }
 
+=======
+/** Options of a call. */
+>>>>>>> m4-docs
 export interface CallOptions {
+  /** Cancels the call (rejects with ABORTED; the server's handler sees its signal abort). */
   signal?: AbortSignal;
   /** Rejects with TIMEOUT (and cancels the call at the server) after this. */
   timeoutMs?: number;
 }
 
+/**
+ * Calls methods of an RpcServer over one connection.
+ *
+ * @example
+ * const client = new RpcClient(await new RdmaBuilder().connect("10.0.0.1:5555"));
+ * const reply = await client.call("echo", new TextEncoder().encode("hi"), { timeoutMs: 1_000 });
+ */
 export class RpcClient {
   private nextId = 1;
   private readonly pending = new Map<number, { resolve: (v: Uint8Array) => void; reject: (e: unknown) => void; method: string }>();
@@ -344,6 +368,7 @@ export class RpcClient {
   private readonly outbox: Outbox;
   private readonly loop: Promise<void>;
 
+  /** A client on `rdma` (it consumes the connection's receive()); `defaults.timeoutMs` applies to calls that give none. */
   constructor(
     readonly rdma: Rdma,
     private readonly defaults: { timeoutMs?: number } = {},
