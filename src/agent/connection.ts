@@ -94,6 +94,14 @@ export interface PeerParams {
 const CREDIT_RESERVE = 1;
 const CTRL_RESERVE = 3;
 const CTRL_BUF = 64;
+/**
+ * Rendezvous messages up to BOUNCE_SLOT bytes are copied into per-connection
+ * bounce memory registered once (BOUNCE_SLOTS in flight, 1 MiB when used)
+ * instead of registering each message: a registration costs a system call
+ * and page pinning on a NIC, more than copying that many bytes.
+ */
+const BOUNCE_SLOT = 128 * 1024;
+const BOUNCE_SLOTS = 8;
 /** At least one signaled WR per this many, so the send queue drains under selective signaling. */
 const SIGNAL_EVERY = 32;
 /**
@@ -694,8 +702,21 @@ export class Connection implements MemoryHost {
     const len = lmr.length;
     const token = this.nextToken;
     this.nextToken = (this.nextToken + 1) >>> 0 || 1;
-    const mr = this.pool.grant(lmr.mem.alloc, lmr.start, len, Access.REMOTE_READ);
-    lmr.mem.inflight++;
+    // Mid sizes are copied into this connection's bounce memory (registered once); larger
+    // messages get a registration over exactly their bytes, revoked once the peer has them.
+    const slot = this.takeBounce(len);
+    let mr: MemoryRegion;
+    let addr: number;
+    if (slot >= 0) {
+      const b = this.bounce!;
+      new Uint8Array(b.mem.alloc.buffer, b.mem.alloc.bufOffset + slot * BOUNCE_SLOT, len).set(lmr.bytes);
+      mr = b.mr;
+      addr = b.mr.addr + slot * BOUNCE_SLOT;
+    } else {
+      mr = this.pool.grant(lmr.mem.alloc, lmr.start, len, Access.REMOTE_READ);
+      addr = mr.addr;
+      lmr.mem.inflight++;
+    }
     return new Promise<void>((resolve, reject) => {
       let unwatch: (() => void) | null = null;
       const settle = (): void => {
@@ -703,8 +724,11 @@ export class Connection implements MemoryHost {
         if (r?.timer) clearTimeout(r.timer);
         this.rndvOut.delete(token);
         unwatch?.();
-        mr.deregister();
-        lmr.mem.opDone();
+        if (slot >= 0) this.putBounce(slot, r?.cancelReason != null);
+        else {
+          mr.deregister();
+          lmr.mem.opDone();
+        }
       };
       const entry: RndvOut = {
         mr,
@@ -730,7 +754,7 @@ export class Connection implements MemoryHost {
       };
       const hdr = this.takeHdr();
       const a = hdr.alloc;
-      const n = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.RNDV, flags: 0, credits: 0, imm: imm ?? 0, token, a: len, b: imm === undefined ? 0 : 1, addr: mr.addr, rkey: mr.rkey, id: 0 });
+      const n = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.RNDV, flags: 0, credits: 0, imm: imm ?? 0, token, a: len, b: imm === undefined ? 0 : 1, addr, rkey: mr.rkey, id: 0 });
       op.hdr = hdr;
       // While the announcement waits in the queue an abort removes it (nothing reached the
       // wire); once posted, an abort cancels the rendezvous with the peer.
@@ -746,6 +770,31 @@ export class Connection implements MemoryHost {
       }
       this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: n, lkey: a.mr.lkey }] }, op, credit: 2, hdr });
     });
+  }
+
+  /**
+   * Bounce memory for rendezvous messages of mid size: BOUNCE_SLOTS slots of
+   * BOUNCE_SLOT bytes, allocated on first use and registered once for remote
+   * READ by this connection's peer only (its own protection domain). It only
+   * ever holds bytes sent to that peer; a cancelled message's slot is zeroed.
+   */
+  private bounce: { mem: LocalMemory; mr: MemoryRegion; free: number[] } | null = null;
+
+  private takeBounce(len: number): number {
+    if (len > BOUNCE_SLOT || len <= this.peer.eagerMax) return -1;
+    if (this.bounce === null) {
+      const mem = new LocalMemory(this.pool, this.pool.alloc(BOUNCE_SLOT * BOUNCE_SLOTS));
+      const mr = this.pool.grant(mem.alloc, 0, BOUNCE_SLOT * BOUNCE_SLOTS, Access.REMOTE_READ);
+      this.bounce = { mem, mr, free: Array.from({ length: BOUNCE_SLOTS }, (_, i) => BOUNCE_SLOTS - 1 - i) };
+    }
+    return this.bounce.free.pop() ?? -1;
+  }
+
+  private putBounce(slot: number, wipe: boolean): void {
+    const b = this.bounce;
+    if (b === null || b.mr.deregistered) return;
+    if (wipe) new Uint8Array(b.mem.alloc.buffer, b.mem.alloc.bufOffset + slot * BOUNCE_SLOT, BOUNCE_SLOT).fill(0);
+    b.free.push(slot);
   }
 
   private cancelRendezvous(token: number, reason: RdmaError): void {
@@ -1326,6 +1375,10 @@ export class Connection implements MemoryHost {
     this.recvSlots.clear();
     for (const h of this.hdrFree.splice(0)) h.release();
     for (const r of this.recvFree.splice(0)) r.release();
+    if (this.bounce) {
+      this.bounce.mr.deregister();
+      this.bounce.mem.release();
+    }
     for (const e of this.incoming.splice(0)) e.mr?.mem.release();
     this.heldRecvs = 0;
     this.writeImms.drain();

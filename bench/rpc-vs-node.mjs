@@ -3,9 +3,10 @@
 // prefixed frames with request ids, replies written as they are ready), the
 // server in a child process, the client here. Calls/s and p99 latency at
 // concurrency 1 and 64, 32-byte payloads, medians over --runs (ours and the
-// reference alternate so machine-load drift hits both).
+// reference alternate so machine-load drift hits both). Payloads of 32 B and
+// 4 KiB (--sizes), concurrency 1 and 64.
 //
-//   node bench/rpc.mjs [--runs 3] [--calls 20000] [--provider tcp|verbs]
+//   node bench/rpc-vs-node.mjs [--runs 3] [--calls 20000] [--sizes 32,4096] [--provider tcp|verbs]
 //
 // A program that reports: it never fails on a number.
 import { spawn } from "node:child_process";
@@ -15,6 +16,7 @@ import { fileURLToPath } from "node:url";
 const args = Object.fromEntries(process.argv.slice(2).reduce((a, v, i, all) => (v.startsWith("--") ? [...a, [v.slice(2), all[i + 1]]] : a), []));
 const RUNS = Number(args.runs ?? 3);
 const CALLS = Number(args.calls ?? 20000);
+const SIZES = String(args.sizes ?? "32,4096").split(",").map(Number);
 const PROVIDER = args.provider ?? process.env.ASYNC_RDMA_PROVIDER ?? "tcp";
 const self = fileURLToPath(import.meta.url);
 const dist = new URL("../dist/src/", import.meta.url);
@@ -95,10 +97,10 @@ if (process.argv[2] === "--serve") {
       close: async () => s.destroy(),
     };
   }
-  async function run(kind, conc) {
+  async function run(kind, conc, size) {
     const srv = await server(kind);
     const c = kind === "rdma" ? await rdmaClient(srv.port) : await nodeClient(srv.port);
-    const payload = new Uint8Array(32).fill(7);
+    const payload = new Uint8Array(size).fill(7);
     for (let i = 0; i < 500; i++) await c.call(payload); // warm-up
     const lat = [];
     let next = 0;
@@ -114,21 +116,24 @@ if (process.argv[2] === "--serve") {
     await c.close();
     srv.stop();
     lat.sort((a, b) => a - b);
-    return { rate: CALLS / secs, p99: lat[Math.floor(lat.length * 0.99)] };
+    return { rate: CALLS / secs, p50: lat[Math.floor(lat.length * 0.5)], p99: lat[Math.floor(lat.length * 0.99)] };
   }
   const med = (xs) => xs.slice().sort((a, b) => a - b)[Math.floor(xs.length / 2)];
-  console.log(`# rpc echo, 32 B, ${CALLS} calls, ${RUNS} runs, provider ${PROVIDER}; load ${(await import("node:os")).loadavg()[0].toFixed(2)}`);
-  console.log("| concurrency | async-rdma/rpc calls/s | p99 ms | node socket calls/s | p99 ms | ratio |");
-  console.log("|---|---|---|---|---|---|");
-  for (const conc of [1, 64]) {
-    const ours = [];
-    const ref = [];
-    for (let r = 0; r < RUNS; r++) {
-      ours.push(await run("rdma", conc));
-      ref.push(await run("node", conc));
+  console.log(`# rpc echo, ${CALLS} calls, ${RUNS} runs (medians), provider ${PROVIDER}; load ${(await import("node:os")).loadavg()[0].toFixed(2)}`);
+  console.log("| payload | concurrency | async-rdma/rpc calls/s | p50 ms | p99 ms | node socket calls/s | p50 ms | p99 ms | ratio |");
+  console.log("|---|---|---|---|---|---|---|---|---|");
+  for (const size of SIZES) {
+    for (const conc of [1, 64]) {
+      const ours = [];
+      const ref = [];
+      for (let r = 0; r < RUNS; r++) {
+        ours.push(await run("rdma", conc, size));
+        ref.push(await run("node", conc, size));
+      }
+      const o = med(ours.map((x) => x.rate));
+      const n = med(ref.map((x) => x.rate));
+      const f = (xs, k) => med(xs.map((x) => x[k])).toFixed(3);
+      console.log(`| ${size} B | ${conc} | ${o.toFixed(0)} | ${f(ours, "p50")} | ${f(ours, "p99")} | ${n.toFixed(0)} | ${f(ref, "p50")} | ${f(ref, "p99")} | ${(o / n).toFixed(2)} |`);
     }
-    const o = med(ours.map((x) => x.rate));
-    const n = med(ref.map((x) => x.rate));
-    console.log(`| ${conc} | ${o.toFixed(0)} | ${med(ours.map((x) => x.p99)).toFixed(2)} | ${n.toFixed(0)} | ${med(ref.map((x) => x.p99)).toFixed(2)} | ${(o / n).toFixed(2)} |`);
   }
 }
