@@ -51,7 +51,7 @@ export class LineReader {
       if (this.buf.length > MAX_LINE) this.failWith(new RdmaError("PROTOCOL", "handshake message too long"));
       this.pump();
     });
-    sock.on("error", (e: NodeJS.ErrnoException) => this.failWith(new RdmaError("CONNECTION_CLOSED", `handshake connection failed: ${e.message}`, { errno: e.code ?? "EIO", cause: e })));
+    sock.on("error", (e: NodeJS.ErrnoException) => this.failWith(new RdmaError("CONNECTION_CLOSED", `handshake connection failed: ${e.message}`, { errnoName: e.code ?? "EIO", ...(e.syscall === undefined ? {} : { syscall: e.syscall }), cause: e })));
     sock.on("close", () => this.failWith(new RdmaError("CONNECTION_CLOSED", "the peer closed the handshake connection")));
   }
 

@@ -113,7 +113,7 @@ export class Requester {
   enqueue(wr: SendWr, i: number, len: number, maxSendWr: number, signalAll: boolean): void {
     const e = makeEntry(wr, i, len, this.qp.pd, signalAll);
     if (this.sq.length - this.sqHead >= maxSendWr) {
-      throw new RdmaError("RESOURCE_EXHAUSTED", `work request #${i}: send queue full (${maxSendWr} outstanding)`, { errno: "ENOMEM" });
+      throw new RdmaError("RESOURCE_EXHAUSTED", `work request #${i}: send queue full (${maxSendWr} outstanding)`, { errnoName: "ENOMEM" });
     }
     this.sq.push(e);
     if (this.qp.state === QpState.ERR) {

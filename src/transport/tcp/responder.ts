@@ -137,7 +137,7 @@ export class Responder {
   enqueue(wrId: number, sgList: readonly Sge[] | undefined, i: number, maxRecvWr: number): void {
     const sges = (sgList ?? []).map((s) => ({ addr: s.addr, length: s.length, lkey: s.lkey }));
     if (this.rq.length - this.rqHead >= maxRecvWr) {
-      throw new RdmaError("RESOURCE_EXHAUSTED", `receive work request #${i}: receive queue full (${maxRecvWr})`, { errno: "ENOMEM" });
+      throw new RdmaError("RESOURCE_EXHAUSTED", `receive work request #${i}: receive queue full (${maxRecvWr})`, { errnoName: "ENOMEM" });
     }
     if (this.qp.state === QpState.ERR) {
       this.qp.recvCq.push(wrId, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
