@@ -11,7 +11,7 @@
  * hellos (sidechannel.ts, docs/wire-format.md); an error line refusing
  * authentication carries "code":"AUTH_FAILED".
  */
-import net from "node:net";
+import * as net from "node:net";
 import { RdmaError } from "../errors.js";
 import type { Endpoint, ProviderName } from "../transport/types.js";
 

@@ -22,7 +22,7 @@
  *   server: checks Pc → allocate → hello + auth{mac} ←   mac = MAC(K, "server hello", …, server hello)
  *   client: checks mac → ready →
  */
-import net from "node:net";
+import * as net from "node:net";
 import { RdmaError } from "../errors.js";
 import type { DeviceAttr } from "../transport/types.js";
 import type { Connection } from "../agent/connection.js";

@@ -4,7 +4,7 @@
  * holds. MRs and windows live in memory.ts, the CQ in cq.ts, the QP (the
  * transport proper) in qp.ts.
  */
-import net from "node:net";
+import * as net from "node:net";
 import { randomInt } from "node:crypto";
 import { RdmaError, checkInt } from "../../errors.js";
 import {

@@ -16,7 +16,7 @@
  *   completes with WR_FLUSH_ERR, receives included, and the streams close
  *   so the peer learns at once.
  */
-import net from "node:net";
+import * as net from "node:net";
 import { RdmaError, checkInt } from "../../errors.js";
 import { QpState, WcStatus, type AsyncEvent, type AsyncEventType, type Device, type Endpoint, type QpConnectAttr, type QpInitAttr, type QueuePair, type RecvWr, type SendWr } from "../types.js";
 import { validateQpAccess, validateQpCaps, validateRecvWr, validateSendWr } from "../validate.js";
