@@ -16,7 +16,7 @@
  *   (7 = infinite);
  * - liveness: liveness.ts (the no-progress timer this requester arms).
  */
-import type net from "node:net";
+import type * as net from "node:net";
 import { randomInt } from "node:crypto";
 import { RdmaError } from "../../errors.js";
 import { QpState, WcStatus, WrOpcode, type SendWr } from "../types.js";

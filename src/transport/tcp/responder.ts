@@ -18,7 +18,7 @@
  * - back-pressure: while more than RESP_PAUSE_BYTES of responses wait for a
  *   peer that does not read them, its requests are not read either.
  */
-import type net from "node:net";
+import type * as net from "node:net";
 import { RdmaError } from "../../errors.js";
 import { Access, QpState, WcFlags, WcOpcode, WcStatus, type Sge } from "../types.js";
 import { FrameFlags, FrameType, Syndrome, encodeHeader, type FrameHeader } from "./codec.js";
