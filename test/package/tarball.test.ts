@@ -150,7 +150,7 @@ describe("package tarball", { timeout: 120_000 }, () => {
     const prog = (load: string) =>
       `${load}\nconst l = await new RdmaBuilder().setProvider("tcp").bind("127.0.0.1:0");\nconsole.log(typeof l.port, isRdmaError(new RdmaError("TIMEOUT", "x")));\nawait l.close();\n`;
     writeFileSync(join(app, "esm.mjs"), prog('import { RdmaBuilder, RdmaError, isRdmaError } from "async-rdma";'));
-    writeFileSync(join(app, "cjs.cjs"), `const { RdmaBuilder, RdmaError, isRdmaError } = require("async-rdma");\nconst { RpcServer } = require("async-rdma/rpc");\n(async () => {\n${prog("")}\nconsole.log(typeof RpcServer);\n})();\n`);
+    writeFileSync(join(app, "cjs.cjs"), `const { RdmaBuilder, RdmaError, isRdmaError } = require("async-rdma");\nconst { RpcServer } = require("async-rdma/rpc");\nrequire("async-rdma/transport");\n(async () => {\n${prog("")}\nconsole.log(typeof RpcServer);\n})();\n`);
     const env = cleanEnv({ PATH: safePath });
     assert.equal(ok(spawnSync(process.execPath, [join(app, "esm.mjs")], { cwd: app, encoding: "utf8", env }), "ESM program").trim(), "number true");
     assert.equal(ok(spawnSync(process.execPath, ["--no-warnings", join(app, "cjs.cjs")], { cwd: app, encoding: "utf8", env }), "CommonJS program").trim(), "number true\nfunction");
