@@ -18,13 +18,20 @@ interface Command {
   /** Arguments after the command's name, as in the usage text. */
   args: string;
   summary: string;
+  /** The full usage text (`async-rdma <command> --help`); default: the usage line and the summary. */
+  help?(): string | Promise<string>;
   run(args: string[]): void | Promise<void>;
 }
 
 const COMMANDS: Record<string, Command> = {
   devices: { args: "[--provider tcp|verbs|auto] [--json]", summary: "RDMA devices, ports, GIDs and limits (as ibv_devinfo)", run: devices },
   lab: { args: "[host]", summary: "the seed lab: server and client as two processes", run: lab },
-  perf: { args: "<test> [server-address] [options]", summary: "perftest's tests and columns (async-rdma perf --help)", run: async (a) => (await import("./perf.js")).perf(a) },
+  perf: {
+    args: "<test> [server-address] [options]",
+    summary: "perftest's tests and columns (async-rdma perf --help)",
+    help: async () => (await import("./perf.js")).PERF_USAGE,
+    run: async (a) => (await import("./perf.js")).perf(a),
+  },
 };
 
 function usageText(): string {
@@ -102,15 +109,17 @@ function lab(args: string[]): void {
 }
 
 const HELP = ["--help", "-h", "help"];
-const [cmd, ...rest] = process.argv.slice(2);
+let [cmd, ...rest] = process.argv.slice(2);
+if (cmd === "help" && rest.length > 0) [cmd, rest] = [rest[0], ["--help"]]; // help <command> = <command> --help
 try {
   if (cmd === undefined) usageError("no command given");
   else if (HELP.includes(cmd) && rest.length === 0) console.log(usageText());
-  else if (cmd === "help" && rest[0]! in COMMANDS) await COMMANDS[rest[0]!]!.run(["--help"]);
   else if (cmd === "--version" || cmd === "-V") console.log(version());
   else if (!Object.hasOwn(COMMANDS, cmd)) usageError(cmd.startsWith("-") ? `unknown option ${cmd}` : `unknown command "${cmd}"`);
-  else if (cmd !== "perf" && (rest.includes("--help") || rest.includes("-h"))) console.log(`usage: async-rdma ${cmd} ${COMMANDS[cmd]!.args}\n  ${COMMANDS[cmd]!.summary}`);
-  else await COMMANDS[cmd]!.run(rest);
+  else if (rest.includes("--help") || rest.includes("-h")) {
+    const c = COMMANDS[cmd]!;
+    console.log(c.help ? await c.help() : `usage: async-rdma ${cmd} ${c.args}\n  ${c.summary}`);
+  } else await COMMANDS[cmd]!.run(rest);
 } catch (e) {
   if (e instanceof RdmaError) {
     console.error(`async-rdma: ${e.code}: ${e.message}`);

@@ -27,7 +27,7 @@ describe("async-rdma CLI conventions", () => {
   }
 
   it("<command> --help and help <command> print that command's usage on stdout", () => {
-    for (const args of [["devices", "--help"], ["perf", "--help"], ["help", "perf"], ["lab", "-h"]]) {
+    for (const args of [["devices", "--help"], ["perf", "--help"], ["help", "perf"], ["help", "devices"], ["lab", "-h"], ["help", "lab"]]) {
       const r = cli(...args);
       assert.equal(r.status, 0, `${args.join(" ")}: ${r.stderr}`);
       assert.equal(r.stderr, "", args.join(" "));
@@ -50,6 +50,7 @@ describe("async-rdma CLI conventions", () => {
       assert.match(r.stderr, /async-rdma --help|usage: async-rdma devices/, args.join(" "));
     }
     assert.match(cli("frobnicate").stderr, /unknown command "frobnicate"/);
+    assert.equal(cli("help", "frobnicate").status, 2);
   });
 
   it("devices lists the tcp device", () => {

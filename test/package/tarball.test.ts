@@ -209,7 +209,7 @@ describe("package tarball", { timeout: 120_000 }, () => {
     assert.match(dts, /declare class RdmaBuilder\b/);
   });
 
-  it("a prebuilt addon that does not load: verbs is PROVIDER_UNAVAILABLE with the consumer's fix, auto falls back to tcp", { skip: noPrebuild }, () => {
+  it("a prebuilt addon that does not load, or none: verbs is PROVIDER_UNAVAILABLE with the consumer's fix, auto falls back to tcp", { skip: noPrebuild }, () => {
     writeFileSync(join(pkgDir, "prebuilds", "linux-x64", "async_rdma_verbs.glibc.node"), "not an ELF file");
     writeFileSync(
       join(app, "broken.mjs"),
@@ -226,5 +226,11 @@ describe("package tarball", { timeout: 120_000 }, () => {
     assert.match(message!, /async_rdma_verbs\.glibc\.node failed to load/);
     assert.match(message!, /`npm rebuild async-rdma`/);
     assert.doesNotMatch(message!, /build:native/);
+    // no addon at all (no prebuild fits, nothing compiled): the same fix, after the headers
+    rmSync(join(pkgDir, "prebuilds"), { recursive: true });
+    const none = ok(spawnSync(process.execPath, [join(app, "broken.mjs")], { cwd: app, encoding: "utf8", env: cleanEnv({ PATH: safePath }) }), "no addon").split("\n");
+    assert.deepEqual(none.slice(0, 2), ["tcp", "PROVIDER_UNAVAILABLE"]);
+    assert.match(none[2]!, /not built, and no prebuild fits this machine/);
+    assert.match(none[2]!, /apt-get install -y libibverbs-dev .*`npm rebuild async-rdma`/);
   });
 });
