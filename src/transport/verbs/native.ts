@@ -11,7 +11,7 @@
  * provider turns them into RdmaError (see errors.ts in this folder).
  */
 import { createRequire } from "node:module";
-import { existsSync } from "node:fs";
+import { existsSync, readdirSync } from "node:fs";
 import { basename, dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
@@ -232,12 +232,19 @@ export function rebuildCommand(): string {
 /**
  * The prebuild directory and file suffix for this machine: prebuilds/linux-x64
  * and ".glibc.node" (scripts/prebuild.mjs names them so); null where no
- * prebuild can fit (musl: no glibc version in the process report).
+ * prebuild can fit (not linux, or musl: its dynamic loader is in /lib). Not
+ * process.report: a report walks every open handle (and may resolve their
+ * addresses), and the provider loads in a process that has sockets open.
  */
 export function prebuildTag(): { dir: string; suffix: string } | null {
-  const header = (process.report?.getReport() as { header?: { glibcVersionRuntime?: string } } | undefined)?.header;
-  if (process.platform !== "linux" || !header?.glibcVersionRuntime) return null;
-  return { dir: `${process.platform}-${process.arch}`, suffix: ".glibc.node" };
+  if (process.platform !== "linux") return null;
+  let musl = false;
+  try {
+    musl = readdirSync("/lib").some((n) => n.startsWith("ld-musl-"));
+  } catch {
+    /* no /lib: assume glibc; a prebuild that does not fit fails to load and says so */
+  }
+  return musl ? null : { dir: `${process.platform}-${process.arch}`, suffix: ".glibc.node" };
 }
 
 /**
