@@ -18,7 +18,8 @@ const fail = (msg) => {
 };
 if (process.platform !== "linux" || !process.report.getReport().header.glibcVersionRuntime) fail("prebuilds are made on linux with glibc");
 if (!process.argv.includes("--from-build")) {
-  const r = spawnSync(process.execPath, [join(root, "scripts/build-native.mjs"), "--require"], { cwd: root, stdio: "inherit" });
+  // everything on stderr: `npm pack --json` prints its JSON on the stdout prepack shares
+  const r = spawnSync(process.execPath, [join(root, "scripts/build-native.mjs"), "--require"], { cwd: root, stdio: ["ignore", 2, 2] });
   if (r.status !== 0) fail("the native build failed: a package without its prebuilds is not shipped");
 }
 const dir = join(root, "prebuilds", `${process.platform}-${process.arch}`);
@@ -31,6 +32,6 @@ for (const name of ["async_rdma_verbs", "async_rdma_cm"]) {
   const tmp = `${to}.${process.pid}.tmp`;
   copyFileSync(from, tmp);
   renameSync(tmp, to);
-  console.log(`prebuild: ${to.slice(root.length)}`);
+  console.error(`prebuild: ${to.slice(root.length)}`);
 }
 rmSync(join(root, "prebuilds", ".keep"), { force: true });
