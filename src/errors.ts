@@ -13,6 +13,7 @@
  */
 import { constants } from "node:os";
 
+/** The stable codes of RdmaError (see the guide's table of what each means). */
 export type RdmaErrorCode =
   | "REMOTE_ACCESS"
   | "REMOTE_INVALID_REQUEST"
@@ -38,6 +39,7 @@ export type RdmaErrorCode =
   | "ABORTED"
   | "DEVICE";
 
+/** Where an RdmaError came from. */
 export interface RdmaErrorOptions {
   /** Name of the verbs work-completion status, e.g. "REM_ACCESS_ERR". */
   wcStatus?: string;
@@ -63,6 +65,7 @@ export class RdmaError extends Error {
   /** The system or verbs call that failed, when known. */
   readonly syscall: string | undefined;
 
+  /** An error with a stable `code`, a message saying what went wrong, and optionally the completion status and errno that caused it. */
   constructor(code: RdmaErrorCode, message: string, options: RdmaErrorOptions = {}) {
     super(message, options.cause === undefined ? undefined : { cause: options.cause });
     this.name = "RdmaError";
@@ -75,6 +78,12 @@ export class RdmaError extends Error {
   }
 }
 
+/**
+ * Whether `e` is an RdmaError (with `code`, when given).
+ *
+ * @example
+ * if (isRdmaError(e, "LEASE_EXPIRED")) rmr = await rdma.requestRemoteMr(8);
+ */
 export function isRdmaError(e: unknown, code?: RdmaErrorCode): e is RdmaError {
   return e instanceof RdmaError && (code === undefined || e.code === code);
 }

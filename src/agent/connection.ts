@@ -28,7 +28,7 @@ import {
 } from "../transport/types.js";
 import type { MemoryRegion } from "../transport/types.js";
 import { LocalMemory, LocalMr, type RemoteMr } from "../memory/mr.js";
-import type { MrPool } from "../memory/pool.js";
+import type { Allocation, MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
 import { AbortWatch, AsyncQueue, abortError } from "./queue.js";
 import { HDR, MsgType, RndvStatus, decodeMsg, encodeMsg, newMsg, type Msg } from "./codec.js";
@@ -130,6 +130,14 @@ interface Pending {
   op: Op;
   /** 0: no credit (one-sided), 1: control, 2: data message, 3: credit message */
   credit: number;
+  /**
+   * The agent's own one-sided work (the READ of a rendezvous message it
+   * receives): needs no credit and has no order with the user's operations,
+   * so it never waits behind messages that wait for credits. Behind them it
+   * could deadlock: the peer returns credits only as this side's messages are
+   * read, which may wait for this READ.
+   */
+  internal?: boolean;
   /** control buffer whose header gets the piggybacked credit count */
   hdr: LocalMemory | null;
 }
@@ -197,6 +205,13 @@ export class Connection implements MemoryHost {
   private credits: number;
   private toReturn = 0;
   /**
+   * Of toReturn, the buffers that CREDIT messages consumed. Returning only
+   * those would answer a CREDIT with a CREDIT for ever (two sides that hold
+   * unread messages ping-pong one credit each way, at full speed): the
+   * starved rule below returns credits only when a real one is among them.
+   */
+  private echoCredits = 0;
+  /**
    * The credits the peer sees (receives of ours it may consume): our depth,
    * less every receive it consumed, plus every credit we reported.
    */
@@ -208,6 +223,8 @@ export class Connection implements MemoryHost {
   private sinceSignal = 0;
   private ctrlQ: Pending[] = [];
   private creditQ: Pending[] = [];
+  /** Internal one-sided work (Pending.internal), posted before anything waiting for credits. */
+  private rdQ: Pending[] = [];
   private dataQ: Pending[] = [];
   private flushScheduled = false;
   private readonly poller: Poller;
@@ -375,8 +392,30 @@ export class Connection implements MemoryHost {
     else this.recvFree.push(mem);
   }
 
+  /**
+   * A receive buffer handed to the user (a DATA message) comes back here when
+   * the user disposes it: its views are detached (pool.renew) and it is
+   * re-posted, with no allocation or registration. Past the receive depth,
+   * or closing, it is freed.
+   */
+  private recycledRecvs = 0;
+
+  private readonly recycleRecv = (alloc: Allocation): boolean => {
+    if (this.closed || this.failure || this.recvFree.length >= this.opts.recvDepth) return false;
+    if (!this.pool.renew(alloc)) return false;
+    const m = new LocalMemory(this.pool, alloc);
+    m.recycle = this.recycleRecv;
+    this.recvFree.push(m);
+    this.recycledRecvs++;
+    return true;
+  };
+
   private newRecv() {
-    const mem = this.recvFree.pop() ?? new LocalMemory(this.pool, this.pool.alloc(HDR + this.opts.eagerMax));
+    let mem = this.recvFree.pop();
+    if (mem === undefined) {
+      mem = new LocalMemory(this.pool, this.pool.alloc(HDR + this.opts.eagerMax));
+      mem.recycle = this.recycleRecv;
+    }
     const id = this.slot(this.newOp("recv"));
     this.recvSlots.set(id, mem);
     const a = mem.alloc;
@@ -452,7 +491,8 @@ export class Connection implements MemoryHost {
     // message handled while the failure drains the CQ) is dropped like the work fail() found queued.
     // Queued, it would be flushed after the teardown freed its buffers.
     if (this.failure) return this.dropQueued(p.op, [p], this.failure);
-    if (p.credit === 3) this.creditQ.push(p);
+    if (p.internal) this.rdQ.push(p);
+    else if (p.credit === 3) this.creditQ.push(p);
     else if (p.credit === 1) this.ctrlQ.push(p);
     else this.dataQ.push(p);
     if (!this.flushScheduled) {
@@ -481,6 +521,7 @@ export class Connection implements MemoryHost {
           new DataView(a.buffer, a.bufOffset + 4, 4).setUint32(0, this.toReturn);
           this.peerCredits += this.toReturn;
           this.toReturn = 0;
+          this.echoCredits = 0;
         }
         const id = this.slot(p.op);
         p.wr.wrId = id;
@@ -492,6 +533,7 @@ export class Connection implements MemoryHost {
     // CREDIT messages first, on their own queue: they may use the last credit, and must never
     // wait behind control or data messages that are themselves waiting for credits.
     take(this.creditQ, () => CREDIT_RESERVE);
+    take(this.rdQ, () => 0);
     take(this.ctrlQ, () => CREDIT_RESERVE + 1);
     take(this.dataQ, (p) => (p.credit === 2 ? CREDIT_RESERVE + CTRL_RESERVE + 1 : 0));
     if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
@@ -525,21 +567,29 @@ export class Connection implements MemoryHost {
   private maybeSendCredits(): void {
     if (this.creditQ.length > 0 || this.toReturn < 1) return;
     // The peer may be unable to send us data (it sees fewer credits than a data message
-    // needs): return what we have now, even one. Each CREDIT raises the peer's credits by
-    // what it carries, so two starved sides cannot ping-pong CREDIT messages for ever.
+    // needs): return what we have now, even one, unless that one is only the buffer the
+    // peer's own CREDIT consumed (echoCredits): answering it would ping-pong for ever.
     if (this.peerCredits < CREDIT_RESERVE + CTRL_RESERVE + 1) {
-      this.sendCtrl({ type: MsgType.CREDIT }, null, 3);
+      if (this.toReturn - Math.min(this.echoCredits, this.toReturn) >= 1 || this.toReturn >= 2) this.sendCredits();
       return;
     }
     if (this.toReturn < 2) return;
     const idle = this.ctrlQ.length === 0 && this.dataQ.length === 0;
     if (idle) {
-      if (this.toReturn >= Math.max(2, this.opts.recvDepth >> 2)) this.sendCtrl({ type: MsgType.CREDIT }, null, 3);
+      if (this.toReturn >= Math.max(2, this.opts.recvDepth >> 2)) this.sendCredits();
       return;
     }
     const ctrlBlocked = this.ctrlQ.length === 0 || this.credits < CREDIT_RESERVE + 1;
     const dataBlocked = this.dataQ.length === 0 || (this.dataQ[0]!.credit === 2 && this.credits < CREDIT_RESERVE + CTRL_RESERVE + 1);
-    if (ctrlBlocked && dataBlocked) this.sendCtrl({ type: MsgType.CREDIT }, null, 3);
+    if (ctrlBlocked && dataBlocked) this.sendCredits();
+  }
+
+  /** CREDIT messages sent (stats: a quiet connection sends none). */
+  private creditMessages = 0;
+
+  private sendCredits(): void {
+    this.creditMessages++;
+    this.sendCtrl({ type: MsgType.CREDIT }, null, 3);
   }
 
   /**
@@ -559,7 +609,7 @@ export class Connection implements MemoryHost {
         op.unwatch = this.aborts.add(signal, () => {
           if (op.posted) return; // settles with its completion
           const mine: Pending[] = [];
-          for (const q of [this.creditQ, this.ctrlQ, this.dataQ]) {
+          for (const q of [this.creditQ, this.rdQ, this.ctrlQ, this.dataQ]) {
             for (let i = q.length - 1; i >= 0; i--) if (q[i]!.op === op) mine.push(...q.splice(i, 1));
           }
           this.dropQueued(op, mine, abortError(signal));
@@ -717,7 +767,7 @@ export class Connection implements MemoryHost {
    * (one op, settled when the last completes; a WRITE_WITH_IMM carries its
    * immediate on the last one, which RC orders after the others).
    */
-  private postTransfer(op: Op, opcode: (typeof WrOpcode)[keyof typeof WrOpcode], lmr: LocalMr, remoteAddr: number, rkey: number, imm: number | undefined, credit: number): void {
+  private postTransfer(op: Op, opcode: (typeof WrOpcode)[keyof typeof WrOpcode], lmr: LocalMr, remoteAddr: number, rkey: number, imm: number | undefined, credit: number, internal = false): void {
     const len = lmr.length;
     const n = Math.max(1, Math.ceil(len / CHUNK_BYTES));
     op.parts = n;
@@ -735,7 +785,7 @@ export class Connection implements MemoryHost {
         rkey,
       };
       if (last && imm !== undefined) wr.imm = imm;
-      this.enqueue({ wr, op, credit: last ? credit : 0, hdr: null });
+      this.enqueue({ wr, op, credit: last ? credit : 0, hdr: null, internal });
     }
   }
 
@@ -954,7 +1004,7 @@ export class Connection implements MemoryHost {
       this.sqFifoHead = 0;
     }
     this.settleSend(op, status);
-    if (this.creditQ.length || this.ctrlQ.length || this.dataQ.length) this.flush();
+    if (this.creditQ.length || this.rdQ.length || this.ctrlQ.length || this.dataQ.length) this.flush();
   }
 
   private settleSend(op: Op, status: number): void {
@@ -1028,7 +1078,7 @@ export class Connection implements MemoryHost {
       this.protocolError(`peer returned more credits than its ${this.peer.recvDepth} receive buffers`);
       return;
     }
-    if (m.credits > 0 && (this.creditQ.length || this.ctrlQ.length || this.dataQ.length)) this.flush();
+    if (m.credits > 0 && (this.creditQ.length || this.rdQ.length || this.ctrlQ.length || this.dataQ.length)) this.flush();
     switch (m.type) {
       case MsgType.DATA: {
         if (byteLen - HDR !== m.a) {
@@ -1052,6 +1102,7 @@ export class Connection implements MemoryHost {
         return this.onRendezvous(m);
       default:
         this.putRecv(mem);
+        if (m.type === MsgType.CREDIT) this.echoCredits++;
         this.repostRecv();
         return this.onControl(m);
     }
@@ -1106,7 +1157,7 @@ export class Connection implements MemoryHost {
         this.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, a: RndvStatus.DELIVERED });
         this.deliver();
       };
-      this.postTransfer(op, WrOpcode.RDMA_READ, new LocalMr(dst, 0, r.len), r.addr, r.rkey, undefined, 0);
+      this.postTransfer(op, WrOpcode.RDMA_READ, new LocalMr(dst, 0, r.len), r.addr, r.rkey, undefined, 0, true);
     }
     if (this.rndvWaiting.length === 0 && this.unsubscribeBudget) {
       this.unsubscribeBudget();
@@ -1191,7 +1242,7 @@ export class Connection implements MemoryHost {
     }
     this.writeImms.fail(err);
     // Work that never reached the send queue: freed now, its operations rejected (once each).
-    const queued = [...this.creditQ.splice(0), ...this.ctrlQ.splice(0), ...this.dataQ.splice(0)];
+    const queued = [...this.creditQ.splice(0), ...this.rdQ.splice(0), ...this.ctrlQ.splice(0), ...this.dataQ.splice(0)];
     const ops = new Map<Op, Pending[]>();
     for (const p of queued) {
       const l = ops.get(p.op);
@@ -1332,7 +1383,7 @@ export class Connection implements MemoryHost {
     return this.closed;
   }
 
-  stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number; sharesOpenedByPeer: number; sharesOpened: number } {
-    return { credits: this.credits, sqOutstanding: this.sqOutstanding, ...this.memory.stats(), unread: this.held(), rendezvousOut: this.rndvOut.size };
+  stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number; sharesOpenedByPeer: number; sharesOpened: number; recycledReceives: number; creditMessages: number } {
+    return { credits: this.credits, sqOutstanding: this.sqOutstanding, ...this.memory.stats(), unread: this.held(), rendezvousOut: this.rndvOut.size, recycledReceives: this.recycledRecvs, creditMessages: this.creditMessages };
   }
 }

@@ -12,9 +12,15 @@
  * completes inside the post), at most SYNC_POLLS per event-loop turn so a
  * chain of always-ready completions cannot starve timers and I/O. At most
  * POLL_BUDGET completions are handled per turn.
+ *
+ * On an event-driven CQ (the tcp provider: completions are made by this
+ * thread's own socket events) every mode waits for notifications: a poll
+ * between two events cannot find anything, and spinning would only take CPU
+ * from the peer on a machine with fewer cores than busy processes.
  */
 import { CompletionBuffer, type CompletionQueue } from "../transport/types.js";
 
+/** How completions are noticed: "event" (sleep until the device signals), "busy" (poll every event-loop turn) or "adaptive" (poll for spinUs after activity, then sleep). See RdmaBuilder.setPolling. */
 export type PollingMode = "event" | "busy" | "adaptive";
 
 /** Completions handled per event-loop turn before yielding ("512 ops" as zeromq.js does). */
@@ -31,15 +37,20 @@ export class Poller {
   private lastActivity = 0;
   private stopped = false;
 
+  private readonly mode: PollingMode;
+
   constructor(
     private readonly cq: CompletionQueue,
-    private readonly mode: PollingMode,
+    mode: PollingMode,
     private readonly spinUs: number,
     /** One completion: entry `i` of the buffer. */
     private readonly onCompletion: (b: CompletionBuffer, i: number) => void,
     /** After each drain (post batched receives, tear down when drained). */
     private readonly afterDrain: () => void,
   ) {
+    // A CQ whose completions only this thread's event loop produces (tcp) has nothing to
+    // find between notifications: spinning there only takes CPU from the peer.
+    this.mode = cq.eventDriven ? "event" : mode;
     cq.onNotify = () => this.pollNow();
   }
 

@@ -12,6 +12,7 @@ import { sideChannel } from "./sidechannel.js";
 import { rdmaCmEstablisher } from "./rdmacm.js";
 import { Auth, type AuthOptions } from "./auth.js";
 
+/** The settings a connection runs with: the builder's, checked and completed against the device's limits. */
 export interface ResolvedSettings {
   provider: ProviderChoice;
   device: string | undefined;
@@ -116,18 +117,22 @@ export class RdmaBuilder {
     this.s.device = name;
     return this;
   }
+  /** Device port, 1–255 (default 1). */
   setPort(port: number): this {
     this.s.port = checkInt("port", port, 1, 255);
     return this;
   }
+  /** GID index of the port, 0–255 (default 1, or `RXE_GID_INDEX`); RoCE needs the GID that carries the interface's IP. */
   setGidIndex(i: number): this {
     this.s.gidIndex = checkInt("gidIndex", i, 0, 255);
     return this;
   }
+  /** Completion-queue entries (default maxSendWr + maxRecvWr + 16); at least maxSendWr + maxRecvWr. */
   setCqSize(n: number): this {
     this.s.cqSize = checkInt("cqSize", n, 1, 1 << 22);
     return this;
   }
+  /** Queue-pair capacities: `maxSendWr` (default 256), `maxRecvWr` (default recvDepth + 8), `maxInlineData` (default 64, capped at the device's). */
   setQpCaps(c: { maxSendWr?: number; maxRecvWr?: number; maxInlineData?: number }): this {
     if (c === null || typeof c !== "object") throw new RdmaError("INVALID_ARGUMENT", `setQpCaps takes { maxSendWr?, maxRecvWr?, maxInlineData? }, got ${c === null ? "null" : typeof c}`);
     if (c.maxSendWr !== undefined) this.s.maxSendWr = checkInt("maxSendWr", c.maxSendWr, 1, 2 ** 31);
@@ -146,6 +151,7 @@ export class RdmaBuilder {
     this.s.ackTimeout = checkInt("ackTimeout", t, 0, 31);
     return this;
   }
+  /** Transport retries before RETRY_EXCEEDED, 0–7 (default 7). */
   setRetryCount(n: number): this {
     this.s.retryCount = checkInt("retryCount", n, 0, 7);
     return this;
@@ -155,6 +161,7 @@ export class RdmaBuilder {
     this.s.rnrRetry = checkInt("rnrRetry", n, 0, 7);
     return this;
   }
+  /** Receiver-not-ready back-off code, 0–31 (default 12). */
   setMinRnrTimer(code: number): this {
     this.s.minRnrTimer = checkInt("minRnrTimer", code, 0, 31);
     return this;
@@ -230,6 +237,7 @@ export class RdmaBuilder {
     this.s.defaultLeaseMs = checkInt("defaultLease", ms, 1, 2 ** 31);
     return this;
   }
+  /** Longest lease this side grants or renews (default 3 600 000 ms); asking for more fails with OUT_OF_RANGE naming it. */
   setMaxLease(ms: number): this {
     this.s.maxLeaseMs = checkInt("maxLease", ms, 1, 2 ** 31);
     return this;
@@ -283,6 +291,7 @@ export class RdmaBuilder {
     this.s.auth = auth === null ? null : Auth.from(auth);
     return this;
   }
+  /** How long setting up a connection may take (default 10 000 ms): the client's whole connect, each of a server's handshakes. */
   setConnectTimeout(ms: number): this {
     this.s.connectTimeoutMs = checkInt("connectTimeout", ms, 1, 2 ** 31);
     return this;

@@ -55,6 +55,7 @@ export class RdmaListener implements AsyncIterable<Rdma> {
     return this.src().address();
   }
 
+  /** The bound port (useful with port 0). */
   get port(): number {
     return this.address().port;
   }
@@ -117,6 +118,7 @@ export class RdmaListener implements AsyncIterable<Rdma> {
     return this.accepted.take(o);
   }
 
+  /** `for await (const rdma of listener)`: every accepted connection, until the listener closes. */
   async *[Symbol.asyncIterator](): AsyncIterator<Rdma> {
     for (;;) {
       try {
@@ -137,6 +139,7 @@ export class RdmaListener implements AsyncIterable<Rdma> {
     await this.source?.close();
   }
 
+  /** `await using listener = ...`: closes the listener at the end of the scope. */
   async [Symbol.asyncDispose](): Promise<void> {
     await this.close();
   }

@@ -15,7 +15,9 @@ import type { PeerInfo } from "./auth.js";
 
 export type { PeerInfo };
 
+/** Options every operation takes. */
 export interface OpOptions {
+  /** Aborts the operation while it has not been posted (rejects with ABORTED). */
   signal?: AbortSignal;
 }
 
@@ -131,6 +133,7 @@ export class Rdma {
     return this.ctx.provider.name;
   }
 
+  /** The device this connection runs on (e.g. "rxe0", or the tcp provider's device). */
   get deviceName(): string {
     return this.ctx.device.name;
   }
@@ -309,6 +312,7 @@ export class Rdma {
     return { ...this.conn.stats(), pool: this.ctx.pool.stats() };
   }
 
+  /** Whether the connection is closed (by either side, or failed). */
   get closed(): boolean {
     return this.conn.isClosed;
   }
@@ -319,6 +323,7 @@ export class Rdma {
     return this.closePromise;
   }
 
+  /** `await using rdma = ...`: closes the connection at the end of the scope. */
   async [Symbol.asyncDispose](): Promise<void> {
     await this.close();
   }

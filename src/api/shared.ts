@@ -9,6 +9,7 @@ import type { PeerInfo } from "./auth.js";
 
 export type { ShareAccess };
 
+/** Options of `share(name, lmr, opts)`. */
 export interface ShareOptions {
   /** What openers may do: "read", "write" (read and write) or "atomic" (read, write and atomics). Default "read". */
   access?: ShareAccess;
@@ -20,22 +21,34 @@ export interface ShareOptions {
   allow?: (peer: PeerInfo) => boolean;
 }
 
+/**
+ * The owner's handle on a region shared by name; peers open it with `openSharedMr(name)`. Revoke it (or dispose it) to end the sharing.
+ *
+ * @example
+ * const shared = listener.share("counter", listener.allocLocalMr(8), { access: "atomic" });
+ * // ... peers call rdma.openSharedMr("counter")
+ * shared.revoke();
+ */
 export class SharedMr {
   /** @internal */
   constructor(private readonly share: Share) {}
 
+  /** The name peers open it by. */
   get name(): string {
     return this.share.name;
   }
 
+  /** Its length in bytes. */
   get length(): number {
     return this.share.length;
   }
 
+  /** What openers may do. */
   get access(): ShareAccess {
     return this.share.access;
   }
 
+  /** Whether it was revoked. */
   get revoked(): boolean {
     return this.share.revoked;
   }
@@ -55,10 +68,12 @@ export class SharedMr {
     this.share.revoke();
   }
 
+  /** `using shared = ...`: revokes it at the end of the scope. */
   [Symbol.dispose](): void {
     this.share.revoke();
   }
 
+  /** `await using shared = ...`: revokes it at the end of the scope. */
   async [Symbol.asyncDispose](): Promise<void> {
     this.share.revoke();
   }

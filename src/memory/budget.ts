@@ -49,6 +49,7 @@ export function setPeerMemoryLimit(bytes: number): void {
   peerMemory.give(0);
 }
 
+/** The process-wide peer memory limit and how much of it is in use, in bytes. */
 export function peerMemoryUsage(): { limit: number; used: number } {
   return { limit: peerMemory.limit, used: peerMemory.used };
 }

@@ -28,6 +28,11 @@ export class LocalMemory {
   private readonly onFree: (() => void) | null;
   /** Run when the memory is released, before it is freed (shares revoke themselves here). */
   readonly beforeFree = new Set<() => void>();
+  /**
+   * Set by the owner of recyclable memory (a connection's receive buffers):
+   * takes the allocation back instead of freeing it; false frees it.
+   */
+  recycle: ((alloc: Allocation) => boolean) | null = null;
 
   constructor(pool: MrPool | null, alloc: Allocation, onFree: (() => void) | null = null) {
     this.pool = pool;
@@ -78,6 +83,7 @@ export class LocalMemory {
 
   private doFree(): void {
     this.freePending = false;
+    if (this.pool && this.recycle?.(this.alloc)) return this.onFree?.();
     if (this.pool) this.pool.free(this.alloc);
     else this.alloc.mr.deregister();
     this.onFree?.();
@@ -135,6 +141,7 @@ export class LocalMr {
     return new LocalMr(this.mem, this.start + start, end - start);
   }
 
+  /** Whether the memory was given back (dispose, or its connection closed). */
   get disposed(): boolean {
     return this.mem.disposed;
   }
@@ -151,6 +158,7 @@ export class LocalMr {
     this.mem.release();
   }
 
+  /** `using lmr = ...`: disposes at the end of the scope. */
   [Symbol.dispose](): void {
     if (!this.mem.disposed && this.mem.lentTo === null) this.mem.release();
   }
@@ -190,7 +198,9 @@ export class RemoteLease {
   }
 }
 
+/** Where a RemoteMr came from: requestRemoteMr ("granted"), receiveRemoteMr ("lent") or openSharedMr ("shared"). */
 export type RemoteOrigin = "granted" | "lent" | "shared";
+/** Rights on a remote region: "read", "write" (read and write) or "atomic" (read, write and atomics). */
 export type RemoteAccess = "read" | "write" | "atomic";
 
 /**
@@ -232,10 +242,12 @@ export class RemoteMr {
     return this.lease.deadline;
   }
 
+  /** Whether this side gave the region up (dispose, sendRemoteMr) or its connection closed. */
   get released(): boolean {
     return this.lease.released;
   }
 
+  /** Bytes [start, end) of the remote region (empty slices allowed), with the same lease and rights. */
   slice(start: number, end: number = this.length): RemoteMr {
     if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > this.length || start > end) {
       throw new RdmaError("OUT_OF_RANGE", `slice(${start}, ${end}) is outside this ${this.length}-byte remote region`);
@@ -266,6 +278,7 @@ export class RemoteMr {
     this.lease.release();
   }
 
+  /** `using rmr = ...`: gives the region back at the end of the scope. */
   [Symbol.dispose](): void {
     this.lease.release();
   }

@@ -23,6 +23,12 @@ import { RdmaError, checkInt } from "../errors.js";
 import { Access, type MemoryRegion, type ProtectionDomain } from "../transport/types.js";
 import { detachArrayBuffer } from "../transport/buffers.js";
 
+/**
+ * Tests set ASYNC_RDMA_POISON_RECYCLED=1: recycled memory is filled with 0xa5,
+ * so a view that wrongly aliased a recycled buffer would see its bytes change.
+ */
+let poison: boolean | undefined;
+
 const CLASSES = [64, 256, 1024, 4096, 16384, 65536];
 const SLAB_BYTES = 1 << 20;
 /**
@@ -133,6 +139,26 @@ export class MrPool {
     const a = alloc as PooledAllocation;
     if (!a.aliased || !this.live.has(a) || a.mr.deregistered) return;
     a.buffer = a.mr.aliasBuffer!(a.mrBufOffset, a.length);
+  }
+
+  /**
+   * Recycling: detaches every view of a live allocation and gives it a fresh
+   * ArrayBuffer over the same registered bytes (native memory: a new alias;
+   * tcp: the MR's buffer transferred). False when the provider cannot, and
+   * the caller frees it instead.
+   */
+  renew(alloc: Allocation): boolean {
+    const a = alloc as PooledAllocation;
+    if (!this.live.has(a) || a.mr.deregistered) return false;
+    if (a.aliased) {
+      detachArrayBuffer(a.buffer);
+      a.buffer = a.mr.aliasBuffer!(a.mrBufOffset, a.length);
+    } else if (a.slab === null && a.mr.renewBuffer?.()) {
+      a.buffer = a.mr.buffer;
+    } else return false;
+    poison ??= process.env.ASYNC_RDMA_POISON_RECYCLED === "1";
+    if (poison) new Uint8Array(a.buffer, a.bufOffset, a.length).fill(0xa5);
+    return true;
   }
 
   private slabsSupported(): boolean {

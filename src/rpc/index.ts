@@ -22,7 +22,7 @@
  *   2 u16 method length   4 u32 call id   8 u32 payload length
  *   12 method (UTF-8, CALL only)   then the payload (ERROR: JSON {code, message})
  */
-import { RdmaError, type Rdma, type RdmaListener } from "../index.js";
+import { RdmaError, type LocalMr, type Rdma, type RdmaListener } from "../index.js";
 
 const MAGIC = 0x52;
 const CALL = 1;
@@ -33,10 +33,13 @@ const HDR = 12;
 /** Frames are gathered into one message up to this size; a larger frame travels alone. */
 const BATCH_BYTES = 4096;
 const MAX_METHOD = 1024;
+/** Batch buffers kept for reuse per connection (each BATCH_BYTES, registered). */
+const SPARE_BUFFERS = 8;
 
 /** An error a handler threw (or the server's answer to an unknown method), carried back to the caller. */
 export class RpcError extends Error {
   override readonly name = "RpcError";
+  /** `code`: the handler error's code; `message`: its message; `method`: the method called. */
   constructor(
     /** The handler error's `code` ("HANDLER_ERROR" when it had none; "NOT_FOUND" for an unknown method). */
     readonly code: string,
@@ -48,6 +51,7 @@ export class RpcError extends Error {
   }
 }
 
+/** What a handler learns about its call. */
 export interface RpcContext {
   method: string;
   /** Aborts when the caller cancels (abort, timeout) or the connection ends. */
@@ -56,6 +60,7 @@ export interface RpcContext {
   rdma: Rdma;
 }
 
+/** A method's implementation: the call's payload in, the reply's bytes out (nothing: an empty reply). A thrown error goes back to the caller as an RpcError. */
 export type RpcHandler = (payload: Uint8Array, ctx: RpcContext) => Uint8Array | void | Promise<Uint8Array | void>;
 
 interface Frame {
@@ -119,6 +124,8 @@ class Outbox {
   private frames: Uint8Array[] = [];
   private scheduled = false;
   failure: unknown = null;
+  /** Registered batch buffers whose send completed: reused, so a batch costs no allocation or registration. */
+  private readonly spare: LocalMr[] = [];
 
   constructor(
     private readonly rdma: Rdma,
@@ -134,6 +141,11 @@ class Outbox {
     }
   }
 
+  /** The connection ended: the spare buffers go back to it. */
+  close(): void {
+    for (const m of this.spare.splice(0)) m[Symbol.dispose]();
+  }
+
   private flush(): void {
     this.scheduled = false;
     const frames = this.frames;
@@ -142,26 +154,30 @@ class Outbox {
     let bytes = 0;
     const out = (list: Uint8Array[], n: number): void => {
       if (list.length === 0 || this.failure) return;
-      let lmr;
+      let buf: LocalMr | undefined;
       try {
-        lmr = this.rdma.allocLocalMr(n);
+        buf = n <= BATCH_BYTES ? this.spare.pop() : undefined;
+        buf ??= this.rdma.allocLocalMr(Math.max(n, BATCH_BYTES));
       } catch (e) {
         this.failure = e;
         // A closing connection: its receive loop ends every call with CONNECTION_CLOSED.
         if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") return;
         return this.onError(e);
       }
-      const b = lmr.bytes;
+      const whole = buf;
+      const b = whole.bytes;
       let o = 0;
       for (const f of list) {
         b.set(f, o);
         o += f.length;
       }
-      const m = lmr;
-      this.rdma.send(m).then(
-        () => m.dispose(),
+      this.rdma.send(o === whole.length ? whole : whole.slice(0, o)).then(
+        () => {
+          if (whole.length === BATCH_BYTES && !this.failure && this.spare.length < SPARE_BUFFERS) this.spare.push(whole);
+          else whole[Symbol.dispose]();
+        },
         (e: unknown) => {
-          m[Symbol.dispose]();
+          whole[Symbol.dispose]();
           if (!this.failure && !(e instanceof RdmaError && e.code === "CONNECTION_CLOSED")) {
             this.failure = e;
             this.onError(e);
@@ -188,15 +204,24 @@ function errorFrame(id: number, e: unknown): Uint8Array {
   return encodeFrame(ERROR, id, null, enc.encode(JSON.stringify({ code: code.slice(0, 100), message: message.slice(0, 4000) })));
 }
 
+/** Options of `new RpcServer(handlers, opts)`. */
 export interface RpcServerOptions {
   /** Calls a connection may have running at once (default 128); past it the server stops reading and the client waits for credits. */
   maxInFlight?: number;
 }
 
+/**
+ * Answers calls with a handler per method.
+ *
+ * @example
+ * const server = new RpcServer({ echo: (payload) => payload });
+ * void server.listen(await new RdmaBuilder().bind("0.0.0.0:5555"));
+ */
 export class RpcServer {
   private readonly handlers: Map<string, RpcHandler>;
   private readonly maxInFlight: number;
 
+  /** `handlers`: method name → handler. */
   constructor(handlers: Record<string, RpcHandler>, opts: RpcServerOptions = {}) {
     if (handlers === null || typeof handlers !== "object") throw new RdmaError("INVALID_ARGUMENT", "RpcServer: handlers must be an object of functions");
     this.handlers = new Map();
@@ -220,7 +245,7 @@ export class RpcServer {
    * peer breaks the protocol (the connection is closed; rejects PROTOCOL).
    */
   async serve(rdma: Rdma): Promise<void> {
-    const running = new Map<number, AbortController>();
+    const running = new Map<number, Running>();
     let wake: (() => void) | null = null;
     const outbox = new Outbox(rdma, () => void rdma.close().catch(() => {}));
     try {
@@ -255,44 +280,87 @@ export class RpcServer {
             outbox.push(errorFrame(f.id, Object.assign(new Error(`no such method: ${JSON.stringify(f.method)}`), { code: "NOT_FOUND" })));
             continue;
           }
-          const ac = new AbortController();
-          running.set(f.id, ac);
+          const call = new Running(f.method, rdma);
+          running.set(f.id, call);
           const done = (frame: Uint8Array): void => {
             running.delete(f.id);
             // a cancelled call gets no reply: the caller has forgotten it
-            if (!ac.signal.aborted) outbox.push(frame);
+            if (!call.aborted) outbox.push(frame);
             const w = wake;
             wake = null;
             w?.();
           };
           let r;
           try {
-            r = h(f.payload, { method: f.method, signal: ac.signal, rdma });
+            r = h(f.payload, call);
           } catch (e) {
             done(errorFrame(f.id, e));
             continue;
           }
-          Promise.resolve(r).then(
-            (v) => done(encodeFrame(OK, f.id, null, v instanceof Uint8Array ? v : new Uint8Array(0))),
-            (e: unknown) => done(errorFrame(f.id, e)),
-          );
+          // A synchronous handler's reply needs no promise turn.
+          if (r instanceof Uint8Array || r === undefined) done(encodeFrame(OK, f.id, null, r ?? new Uint8Array(0)));
+          else
+            Promise.resolve(r).then(
+              (v) => done(encodeFrame(OK, f.id, null, v instanceof Uint8Array ? v : new Uint8Array(0))),
+              (e: unknown) => done(errorFrame(f.id, e)),
+            );
         }
       }
     } catch (e) {
       await rdma.close().catch(() => {});
       throw e;
     } finally {
-      for (const ac of running.values()) ac.abort(new RdmaError("CONNECTION_CLOSED", "the connection ended"));
+      for (const c of running.values()) c.abort(new RdmaError("CONNECTION_CLOSED", "the connection ended"));
+      outbox.close();
     }
   }
 }
 
+<<<<<<< HEAD
+/** A call being handled: its context, with the AbortSignal made only if the handler asks for it. */
+class Running implements RpcContext {
+  private ac: AbortController | null = null;
+  private reason: unknown = undefined;
+  aborted = false;
+
+  constructor(
+    readonly method: string,
+    readonly rdma: Rdma,
+  ) {}
+
+  get signal(): AbortSignal {
+    if (this.ac === null) {
+      this.ac = new AbortController();
+      if (this.aborted) this.ac.abort(this.reason);
+    }
+    return this.ac.signal;
+  }
+
+  abort(reason: unknown): void {
+    if (this.aborted) return;
+    this.aborted = true;
+    this.reason = reason;
+    this.ac?.abort(reason);
+  }
+}
+
+=======
+/** Options of a call. */
+>>>>>>> m4-docs
 export interface CallOptions {
+  /** Cancels the call (rejects with ABORTED; the server's handler sees its signal abort). */
   signal?: AbortSignal;
   /** Rejects with TIMEOUT (and cancels the call at the server) after this. */
   timeoutMs?: number;
 }
 
+/**
+ * Calls methods of an RpcServer over one connection.
+ *
+ * @example
+ * const client = new RpcClient(await new RdmaBuilder().connect("10.0.0.1:5555"));
+ * const reply = await client.call("echo", new TextEncoder().encode("hi"), { timeoutMs: 1_000 });
+ */
 export class RpcClient {
   private nextId = 1;
   private readonly pending = new Map<number, { resolve: (v: Uint8Array) => void; reject: (e: unknown) => void; method: string }>();
@@ -300,6 +368,7 @@ export class RpcClient {
   private readonly outbox: Outbox;
   private readonly loop: Promise<void>;
 
+  /** A client on `rdma` (it consumes the connection's receive()); `defaults.timeoutMs` applies to calls that give none. */
   constructor(
     readonly rdma: Rdma,
     private readonly defaults: { timeoutMs?: number } = {},
@@ -311,6 +380,7 @@ export class RpcClient {
   private fail(e: unknown): void {
     if (this.failure) return;
     this.failure = e;
+    this.outbox.close();
     for (const p of [...this.pending.values()]) p.reject(e);
     this.pending.clear();
   }
@@ -360,7 +430,7 @@ export class RpcClient {
     if (this.failure) return Promise.reject(this.failure);
     if (typeof method !== "string" || method.length === 0) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "call: method must be a non-empty string"));
     if (!(payload instanceof Uint8Array)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "call: payload must be a Uint8Array"));
-    const m = enc.encode(method);
+    const m = this.methodBytes(method);
     if (m.length > MAX_METHOD) return Promise.reject(new RdmaError("INVALID_ARGUMENT", `call: method name longer than ${MAX_METHOD} bytes`));
     const { signal } = opts;
     if (signal !== undefined && !(signal instanceof AbortSignal)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "signal must be an AbortSignal"));
@@ -397,6 +467,17 @@ export class RpcClient {
       });
       this.outbox.push(encodeFrame(CALL, id, m, payload));
     });
+  }
+
+  private readonly methods = new Map<string, Uint8Array>();
+
+  private methodBytes(method: string): Uint8Array {
+    let m = this.methods.get(method);
+    if (m === undefined) {
+      m = enc.encode(method);
+      if (this.methods.size < 256) this.methods.set(method, m);
+    }
+    return m;
   }
 
   /** Calls in flight. */

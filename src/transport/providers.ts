@@ -2,6 +2,7 @@ import { RdmaError } from "../errors.js";
 import type { Provider } from "./types.js";
 import { tcpProvider } from "./tcp/index.js";
 
+/** "verbs" (libibverbs), "tcp" (RC semantics over TCP) or "auto" (verbs when a device with an active port exists, else tcp). */
 export type ProviderChoice = "tcp" | "verbs" | "auto";
 
 /**

@@ -109,6 +109,7 @@ export const QpState = {
 } as const;
 export type QpState = (typeof QpState)[keyof typeof QpState];
 
+/** The two providers. */
 export type ProviderName = "tcp" | "verbs";
 
 /** The limits a user tunes against (ibv_device_attr, shortened). */
@@ -143,6 +144,7 @@ export interface DeviceAttr {
   readonly physPortCnt: number;
 }
 
+/** A port's attributes (ibv_query_port), with its GIDs. */
 export interface PortAttr {
   readonly portNum: number;
   readonly state: "DOWN" | "INIT" | "ARMED" | "ACTIVE" | "ACTIVE_DEFER" | "NOP";
@@ -156,6 +158,7 @@ export interface PortAttr {
   readonly gids: readonly { index: number; gid: string; type?: string }[];
 }
 
+/** A device a provider lists: its name, provider and GUID. */
 export interface DeviceInfo {
   readonly name: string;
   readonly provider: ProviderName;
@@ -169,6 +172,7 @@ export interface Sge {
   lkey: number;
 }
 
+/** What a memory-window bind attaches: a range of an MR and the window's access. */
 export interface MwBindInfo {
   mr: MemoryRegion;
   addr: number;
@@ -222,6 +226,7 @@ export class CompletionBuffer {
   readonly qpNum: Uint32Array;
   readonly vendorErr: Uint32Array;
 
+  /** Room for `capacity` completions. */
   constructor(capacity: number) {
     this.capacity = capacity;
     this.wrId = new Float64Array(capacity);
@@ -247,6 +252,7 @@ export interface WorkCompletion {
   vendorErr: number;
 }
 
+/** Entry `i` of a CompletionBuffer as a WorkCompletion object. */
 export function completionAt(b: CompletionBuffer, i: number): WorkCompletion {
   return {
     wrId: b.wrId[i]!,
@@ -262,6 +268,7 @@ export function completionAt(b: CompletionBuffer, i: number): WorkCompletion {
 
 /** Async events (ibv_event_type subset) delivered to QP / device handlers. */
 export type AsyncEventType = "QP_FATAL" | "QP_REQ_ERR" | "QP_ACCESS_ERR" | "COMM_EST" | "CQ_ERR" | "PORT_ACTIVE" | "PORT_ERR" | "DEVICE_FATAL";
+/** An asynchronous event (ibv_async_event) with the reason the provider knows. */
 export interface AsyncEvent {
   type: AsyncEventType;
   /** Human-readable reason (e.g. which malformed frame moved the QP to ERR). */
@@ -337,6 +344,7 @@ export interface QpConnectAttr {
   livenessMs?: number;
 }
 
+/** A protection domain (ibv_pd): memory and QPs in one PD can reach each other, never another PD's. */
 export interface ProtectionDomain {
   readonly device: Device;
   /**
@@ -350,9 +358,11 @@ export interface ProtectionDomain {
   allocMw(type?: 1 | 2): MemoryWindow;
   /** ibv_create_qp followed by the RESET → INIT transition: the QP comes back in INIT, ready for postRecv. */
   createQp(init: QpInitAttr): QueuePair;
+  /** ibv_dealloc_pd. */
   dealloc(): void;
 }
 
+/** Registered memory (ibv_mr): its keys, its range and its access. */
 export interface MemoryRegion {
   readonly pd: ProtectionDomain;
   /** The registered bytes. Detached after {@link deregister} when the provider allocated them. */
@@ -377,8 +387,18 @@ export interface MemoryRegion {
    * then registers each allocation separately.
    */
   aliasBuffer?(offset: number, length: number): ArrayBuffer;
+  /**
+   * Optional (providers whose memory is a plain JS ArrayBuffer they
+   * allocated): detaches every view of `buffer` and replaces it with a fresh
+   * ArrayBuffer over the same bytes, which stay registered. Returns false
+   * when it cannot now (a socket write still reads the bytes). The memory
+   * layer recycles receive buffers with it: a buffer handed to the user and
+   * disposed is re-posted, and no view the user kept can see its next use.
+   */
+  renewBuffer?(): boolean;
 }
 
+/** A memory window (ibv_mw): a remote key over part of an MR, bound and invalidated by work requests. */
 export interface MemoryWindow {
   readonly pd: ProtectionDomain;
   readonly type: 1 | 2;
@@ -386,9 +406,11 @@ export interface MemoryWindow {
   readonly rkey: number;
   /** The rkey to put in the next BIND_MW WR (ibv_inc_rkey of the current one). */
   nextRkey(): number;
+  /** ibv_dealloc_mw. */
   dealloc(): void;
 }
 
+/** A completion queue (ibv_cq), polled into a CompletionBuffer. */
 export interface CompletionQueue {
   readonly device: Device;
   readonly depth: number;
@@ -402,9 +424,18 @@ export interface CompletionQueue {
   requestNotify(): void;
   /** Handler for notifications requested by {@link requestNotify}. */
   onNotify: (() => void) | null;
+  /**
+   * Completions are produced only by this thread's event loop (a software
+   * provider), never by hardware behind its back: an armed CQ is always
+   * notified, and polling between events can find nothing new. Busy and
+   * adaptive polling then wait for the notification instead of spinning.
+   */
+  readonly eventDriven?: boolean;
+  /** ibv_destroy_cq. */
   destroy(): void;
 }
 
+/** A reliable-connection queue pair (ibv_qp). */
 export interface QueuePair {
   readonly pd: ProtectionDomain;
   readonly qpNum: number;
@@ -425,23 +456,31 @@ export interface QueuePair {
    * first bad WR; WRs before it were posted, as with verbs' bad_wr.
    */
   postSend(wrs: readonly SendWr[]): void;
+  /** ibv_post_recv of a list; throws like postSend. */
   postRecv(wrs: readonly RecvWr[]): void;
   /** Async events for this QP (fatal errors with a reason). */
   onEvent: ((e: AsyncEvent) => void) | null;
+  /** ibv_destroy_qp: outstanding work is dropped. */
   destroy(): void;
 }
 
+/** An open device (ibv_context). */
 export interface Device {
   readonly name: string;
   readonly attr: DeviceAttr;
+  /** ibv_query_port (default port 1). */
   queryPort(portNum?: number): PortAttr;
+  /** ibv_alloc_pd. */
   allocPd(): ProtectionDomain;
+  /** ibv_create_cq with room for `depth` completions. */
   createCq(depth: number): CompletionQueue;
   /** Device-wide async events (port changes, device fatal). */
   onEvent: ((e: AsyncEvent) => void) | null;
+  /** ibv_close_device: every PD, MR, CQ and QP of the device must be gone. */
   close(): void;
 }
 
+/** Options of the tcp provider's devices. */
 export interface TcpDeviceOptions {
   /** Address the device listens on for its QPs' connections (default 0.0.0.0). */
   host?: string;
@@ -449,8 +488,10 @@ export interface TcpDeviceOptions {
   port?: number;
 }
 
+/** A provider: lists and opens devices (tcp, or verbs through the native addon). */
 export interface Provider {
   readonly name: ProviderName;
+  /** The devices this provider can open. */
   listDevices(): DeviceInfo[];
   /** Opens a device by name, or the first one. */
   openDevice(name?: string, options?: TcpDeviceOptions): Promise<Device>;
@@ -534,6 +575,7 @@ export interface CmQpAttr {
   trafficClass: number;
 }
 
+/** An RDMA CM event (rdma_cm_event). */
 export interface CmEvent {
   type: number;
   /** "CONNECT_REQUEST", … */
@@ -562,28 +604,42 @@ export interface CmConnectParams {
  * {@link CmId.next}.
  */
 export interface CmId {
+  /** Receives every event when set (else they queue for next()). */
   onEvent: ((e: CmEvent) => void) | null;
   readonly isDestroyed: boolean;
   /** The next event, or TIMEOUT / ABORTED when the deadline passes or the signal aborts first. */
   next(what: string, timeoutMs: number, signal?: AbortSignal): Promise<CmEvent>;
+  /** rdma_bind_addr (host null: any address). */
   bind(host: string | null, port: number): void;
+  /** rdma_listen. */
   listen(backlog?: number): void;
+  /** rdma_resolve_addr: ADDR_RESOLVED or ADDR_ERROR follows. */
   resolveAddr(src: string | null, dst: string, port: number, timeoutMs: number): void;
+  /** rdma_resolve_route: ROUTE_RESOLVED or ROUTE_ERROR follows. */
   resolveRoute(timeoutMs: number): void;
+  /** rdma_connect with the caller's QP number and private data. */
   connect(qpNum: number, privateData: Uint8Array, p: CmConnectParams): void;
+  /** rdma_accept with the caller's QP number and private data. */
   accept(qpNum: number, privateData: Uint8Array, p: CmConnectParams): void;
+  /** rdma_establish: the client confirms a connection whose QP it moved to RTS itself. */
   establish(): void;
+  /** rdma_reject, with optional private data. */
   reject(privateData: Uint8Array | null): void;
   /** Sends a DREQ (both sides then see DISCONNECTED); never throws. */
   disconnect(): void;
+  /** The device, port and addresses the id is bound to. */
   info(): CmInfo;
+  /** rdma_init_qp_attr for INIT (1), RTR (2) or RTS (3). */
   initQpAttr(state: 1 | 2 | 3): CmQpAttr;
   /** rdma_destroy_id; idempotent. Queued children are destroyed too. */
   destroy(): void;
+  /** The name of errno `n` (e.g. "ECONNREFUSED"). */
   errnoName(n: number): string;
 }
 
+/** The librdmacm binding: creates ids. */
 export interface RdmaCm {
+  /** rdma_create_id (TCP port space). */
   createId(): CmId;
   /** The IB CM reject reason for a REJECTED event's status, in words. */
   rejectReason(status: number): string;

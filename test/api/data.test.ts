@@ -295,6 +295,57 @@ describe(`API data operations [${PROVIDER}]`, () => {
       await sender;
     }));
 
+  it("both sides send eager and rendezvous messages at once: the READ of an arrived rendezvous message never waits behind sends that wait for credits", () =>
+    withApiPair(async ({ server, client }) => {
+      // Found by the RPC test (10,000 calls in flight): each side's next message to read was a
+      // rendezvous whose READ sat in the send queue behind that side's own credit-blocked sends,
+      // while the credits could only come back once those messages were read.
+      const N = PROVIDER === "verbs" ? 150 : 400;
+      const size = (i: number): number => (i % 3 === 0 ? 65536 : 64);
+      const run = async (me: typeof server, seed: number): Promise<void> => {
+        const src = me.allocLocalMr(65536);
+        src.bytes.set(pattern(65536, seed));
+        const sends = Array.from({ length: N }, (_, i) => me.send(src.slice(0, size(i))));
+        for (let i = 0; i < N; i++) {
+          using m = await me.receive();
+          assert.equal(m.length, size(i), `message ${i}`);
+          if (i % 50 === 0) assert.deepEqual(m.bytes, pattern(65536, seed ^ 1).subarray(0, size(i)));
+        }
+        await Promise.all(sends);
+      };
+      let timer: NodeJS.Timeout | undefined;
+      const deadline = new Promise<never>((_, rej) => {
+        timer = setTimeout(() => rej(new Error(`no progress: server read ${server.stats().unread} unread, client ${client.stats().unread} (a deadlock)`)), 60_000 * (PROVIDER === "verbs" ? 5 : 1));
+      });
+      try {
+        await Promise.race([Promise.all([run(server, 4), run(client, 5)]), deadline]);
+      } finally {
+        clearTimeout(timer);
+      }
+    }));
+
+  it("two sides that both leave messages unread go quiet: no CREDIT message answers a CREDIT message for ever", () =>
+    withApiPair(async ({ server, client }) => {
+      // Found with the deadlock above: each side returned the one buffer the other's CREDIT
+      // consumed, ~10,000 CREDIT messages a second each way, while neither user read anything.
+      const a = client.allocLocalMr(64);
+      const b = server.allocLocalMr(64);
+      const sends = [];
+      for (let i = 0; i < 100; i++) sends.push(client.send(a).catch(() => {}), server.send(b).catch(() => {}));
+      // Both sides stop taking messages once half their receive buffers hold unread ones.
+      await eventually(() => server.stats().unread >= 16 && client.stats().unread >= 16, 30_000, "both sides hold unread messages");
+      const before = client.stats().creditMessages + server.stats().creditMessages;
+      // Absence of a livelock is watched over a window: before the fix this window saw thousands.
+      await new Promise((r) => setTimeout(r, 500));
+      const during = client.stats().creditMessages + server.stats().creditMessages - before;
+      assert.ok(during <= 4, `${during} CREDIT messages in 500 ms while both sides were blocked`);
+      // Reading everything lets every send through.
+      const drain = async (me: typeof server): Promise<void> => {
+        for (let i = 0; i < 100; i++) (await me.receive()).dispose();
+      };
+      await Promise.all([drain(server), drain(client), ...sends]);
+    }));
+
   it("disposing memory detaches its views; a registered user buffer stays the user's", () =>
     withApiPair(async ({ client }) => {
       const lmr = client.allocLocalMr(16);

@@ -105,14 +105,17 @@ export function encodeHeader(
   aux: number,
   op1: bigint,
   op2: bigint,
+  /** Bytes reserved after the header (a small payload copied in by the caller: one write per frame). */
+  room = 0,
 ): Buffer {
-  if (arenaOff + HEADER_LEN > arena.length) {
+  const size = HEADER_LEN + room;
+  if (arenaOff + size > arena.length) {
     // Earlier headers may still be queued in a socket: never reuse, start a new arena.
     arena = Buffer.allocUnsafe(64 * 1024);
     arenaOff = 0;
   }
-  const b = arena.subarray(arenaOff, arenaOff + HEADER_LEN);
-  arenaOff += HEADER_LEN;
+  const b = arena.subarray(arenaOff, arenaOff + size);
+  arenaOff += size;
   b[0] = MAGIC;
   b[1] = VERSION;
   b[2] = type;

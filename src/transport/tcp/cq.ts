@@ -22,9 +22,16 @@ export interface CqUser {
 export class TcpCq implements CompletionQueue {
   readonly device: CqDevice;
   readonly depth: number;
+  /** Completions come from socket events handled on this thread: notification never misses one. */
+  readonly eventDriven = true;
   private _onNotify: (() => void) | null = null;
-  /** Keeps the event loop alive while armed with a handler, as a verbs CQ's channel watcher does. */
+  /**
+   * Keeps the event loop alive while armed with a handler, as a verbs CQ's
+   * channel watcher does: one timer per CQ, ref'd and unref'd (cheap) rather
+   * than created per arm.
+   */
   private hold: NodeJS.Timeout | null = null;
+  private holding = false;
 
   get onNotify(): (() => void) | null {
     return this._onNotify;
@@ -37,11 +44,18 @@ export class TcpCq implements CompletionQueue {
 
   private updateHold(): void {
     const want = this.armed && this._onNotify !== null && !this.destroyed;
-    if (want && this.hold === null) this.hold = setInterval(() => {}, 2 ** 30);
-    else if (!want && this.hold !== null) {
-      clearInterval(this.hold);
+    if (this.destroyed) {
+      if (this.hold !== null) clearInterval(this.hold);
       this.hold = null;
+      this.holding = false;
+      return;
     }
+    if (want === this.holding) return;
+    this.holding = want;
+    if (want) {
+      if (this.hold === null) this.hold = setInterval(() => {}, 2 ** 30);
+      else this.hold.ref();
+    } else this.hold!.unref();
   }
   private readonly ring: CompletionBuffer;
   private head = 0;

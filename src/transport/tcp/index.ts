@@ -10,6 +10,7 @@ import { TcpDevice } from "./device.js";
 export { TcpDevice } from "./device.js";
 export { TcpQueuePair, type TcpQpStats } from "./qp.js";
 
+/** The tcp provider: RC semantics over TCP streams, in TypeScript. */
 export const tcpProvider: Provider = {
   name: "tcp",
   listDevices(): DeviceInfo[] {

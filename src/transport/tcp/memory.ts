@@ -99,6 +99,14 @@ export class TcpMr implements MemoryRegion {
     }
   }
 
+  renewBuffer(): boolean {
+    if (!this.owned || this.deregistered || this.pendingWrites > 0 || this.boundWindows > 0) return false;
+    // A transfer moves the bytes to a new ArrayBuffer (no copy) and detaches the old one.
+    this._buffer = structuredClone(this._buffer, { transfer: [this._buffer] });
+    this.view = new Uint8Array(this._buffer, this.offset, this.length);
+    return true;
+  }
+
   private detach(): void {
     this.detachPending = false;
     detachArrayBuffer(this._buffer);

@@ -20,12 +20,19 @@ import type * as net from "node:net";
 import { randomInt } from "node:crypto";
 import { RdmaError } from "../../errors.js";
 import { QpState, WcStatus, WrOpcode, type SendWr } from "../types.js";
-import { FrameFlags, FrameType, Syndrome, encodeHeader, rnrTimerMs, type FrameHeader } from "./codec.js";
+import { FrameFlags, FrameType, HEADER_LEN, Syndrome, encodeHeader, rnrTimerMs, type FrameHeader } from "./codec.js";
 import { FrameReader } from "./frame-reader.js";
 import { NoProgressTimer } from "./liveness.js";
 import { bindWindow, invalidateWindow, localView, mrsAlive, type TcpMr } from "./memory.js";
 import { PSN_MASK, psnBefore, type QpCore } from "./qp-core.js";
 import { ENTRY_DONE, ENTRY_QUEUED, ENTRY_SENT, isReadOrAtomic, makeEntry, wcByteLen, wcOpcodeOf, type SqEntry } from "./send-queue.js";
+
+/**
+ * SEND and WRITE payloads up to this size are copied behind their header and
+ * written as one buffer: cheaper than a writev of header and payload views
+ * through the stream layer, and the source memory is not held by the socket.
+ */
+const SMALL_FRAME_COPY = 8192;
 
 export class Requester {
   private sq: SqEntry[] = [];
@@ -231,6 +238,20 @@ export class Requester {
     this.qp.counters.requests++;
     const ack = this.takePiggyback(sock);
     if (ack >= 0) flags |= FrameFlags.ACK;
+    if (e.len <= SMALL_FRAME_COPY) {
+      // A small frame is copied behind its header: one buffer, one write, and the memory is
+      // free to reuse at once (no write to wait for).
+      const b = encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0n, ack >= 0 ? BigInt(ack) : 0n, e.len);
+      let o = HEADER_LEN;
+      if (e.inline !== null) b.set(e.inline, o);
+      else
+        for (const v of views!) {
+          b.set(v, o);
+          o += v.length;
+        }
+      sock.write(b);
+      return true;
+    }
     // Header and payload go out as one writev (cork), the payload straight from the registered memory.
     sock.cork();
     sock.write(encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0n, ack >= 0 ? BigInt(ack) : 0n));
