@@ -316,7 +316,6 @@ export class RpcServer {
   }
 }
 
-<<<<<<< HEAD
 /** A call being handled: its context, with the AbortSignal made only if the handler asks for it. */
 class Running implements RpcContext {
   private ac: AbortController | null = null;
@@ -344,9 +343,7 @@ class Running implements RpcContext {
   }
 }
 
-=======
 /** Options of a call. */
->>>>>>> m4-docs
 export interface CallOptions {
   /** Cancels the call (rejects with ABORTED; the server's handler sees its signal abort). */
   signal?: AbortSignal;
