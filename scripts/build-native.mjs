@@ -6,7 +6,8 @@
 // headers (libibverbs-dev) or a toolchain are missing, it prints one line and
 // exits 0, so installing still succeeds and the tcp provider works; the verbs
 // provider then reports PROVIDER_UNAVAILABLE with the reason.
-// Usage: node scripts/build-native.mjs [--verbose]   (npm run build:native)
+// --require (scripts/prebuild.mjs): exit 1 instead of 0 when nothing was built.
+// Usage: node scripts/build-native.mjs [--verbose] [--require]   (npm run build:native)
 import { existsSync } from "node:fs";
 import { createRequire } from "node:module";
 import { dirname, join } from "node:path";
@@ -14,9 +15,12 @@ import { spawnSync } from "node:child_process";
 
 const root = new URL("..", import.meta.url).pathname;
 const verbose = process.argv.includes("--verbose");
+const required = process.argv.includes("--require");
+// In a consumer's node_modules the fix is `npm rebuild async-rdma`; in a checkout, `npm run build:native`.
+const rebuild = root.replace(/\/$/, "").split("/").includes("node_modules") ? "npm rebuild async-rdma" : "npm run build:native";
 const note = (msg) => {
-  console.log(`async-rdma: native verbs addon not built (${msg}); the tcp provider works. Fix: apt-get install -y libibverbs-dev librdmacm-dev ibverbs-providers rdma-core build-essential python3, then npm run build:native`);
-  process.exit(0);
+  console.log(`async-rdma: native verbs addon not built (${msg}); the tcp provider works. Fix: apt-get install -y libibverbs-dev librdmacm-dev ibverbs-providers rdma-core build-essential python3, then ${rebuild}`);
+  process.exit(required ? 1 : 0);
 };
 
 if (process.env.ASYNC_RDMA_SKIP_NATIVE) note("ASYNC_RDMA_SKIP_NATIVE is set");
@@ -52,5 +56,5 @@ if (r.status !== 0) {
 const cm = existsSync(join(root, "build/Release/async_rdma_cm.node"));
 console.log(
   "async-rdma: native verbs addon built (build/Release/async_rdma_verbs.node)" +
-    (cm ? "; RDMA CM addon built (build/Release/async_rdma_cm.node)" : "; RDMA CM addon not built (no rdma/rdma_cma.h: apt-get install -y librdmacm-dev, then npm run build:native)"),
+    (cm ? "; RDMA CM addon built (build/Release/async_rdma_cm.node)" : `; RDMA CM addon not built (no rdma/rdma_cma.h: apt-get install -y librdmacm-dev, then ${rebuild})`),
 );

@@ -7,7 +7,7 @@
 #   - libibverbs-dev, librdmacm-dev + a C/C++ toolchain, python3 and pkg-config:
 #     the native addon builds on the host too (node-gyp needs python3/make/g++)
 # Node.js itself is not installed (bookworm's nodejs is 18; the project needs
-# >= 20): use the CI's setup-node / nvm; we only warn.
+# >= 20.19): use the CI's setup-node / nvm; we only warn.
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd -P)
 SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
@@ -26,7 +26,7 @@ if [ -n "$missing" ]; then
 fi
 "$HERE/softroce/setup.sh"
 if ! command -v node >/dev/null 2>&1; then
-  echo "install-deps: warning: node not found (need >= 20; install via setup-node/nvm)" >&2
-elif [ "$(node -p 'process.versions.node.split(".")[0]')" -lt 20 ]; then
-  echo "install-deps: warning: node $(node -v) is older than 20" >&2
+  echo "install-deps: warning: node not found (need >= 20.19; install via setup-node/nvm)" >&2
+elif [ "$(node -p 'const [a, b] = process.versions.node.split(".").map(Number); a > 20 || (a === 20 && b >= 19) ? 1 : 0')" = 0 ]; then
+  echo "install-deps: warning: node $(node -v) is older than 20.19" >&2
 fi

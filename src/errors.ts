@@ -3,8 +3,15 @@
  * async-rdma is an {@link RdmaError} with a stable `code`; where a verbs
  * work-completion status caused it, `wcStatus` carries that status name.
  *
- * This module sits below every layer (transport included): it has no imports.
+ * Where a system call or a verbs call failed, the error follows Node's
+ * convention for system errors: `errno` is the number (negative, as
+ * `util.getSystemErrorName(e.errno)` expects), `errnoName` the name
+ * ("EINVAL") and `syscall` the call, when known.
+ *
+ * This module sits below every layer (transport included): it imports only
+ * node:os, for the errno numbers.
  */
+import { constants } from "node:os";
 
 /** The stable codes of RdmaError (see the guide's table of what each means). */
 export type RdmaErrorCode =
@@ -36,8 +43,10 @@ export type RdmaErrorCode =
 export interface RdmaErrorOptions {
   /** Name of the verbs work-completion status, e.g. "REM_ACCESS_ERR". */
   wcStatus?: string;
-  /** errno name for failures of a system call or a verbs call (e.g. "EINVAL"). */
-  errno?: string;
+  /** errno name for failures of a system call or a verbs call (e.g. "EINVAL"); sets `errnoName` and `errno`. */
+  errnoName?: string;
+  /** The system or verbs call that failed (e.g. "connect", "ibv_post_send"). */
+  syscall?: string;
   cause?: unknown;
 }
 
@@ -49,7 +58,12 @@ export interface RdmaErrorOptions {
 export class RdmaError extends Error {
   readonly code: RdmaErrorCode;
   readonly wcStatus: string | undefined;
-  readonly errno: string | undefined;
+  /** The errno number, negative as in Node's system errors (-22 for EINVAL); undefined when no system or verbs call failed, or the name is not an errno. */
+  readonly errno: number | undefined;
+  /** The errno name ("EINVAL"), or "DESTROYED" for a released native object. */
+  readonly errnoName: string | undefined;
+  /** The system or verbs call that failed, when known. */
+  readonly syscall: string | undefined;
 
   /** An error with a stable `code`, a message saying what went wrong, and optionally the completion status and errno that caused it. */
   constructor(code: RdmaErrorCode, message: string, options: RdmaErrorOptions = {}) {
@@ -57,7 +71,10 @@ export class RdmaError extends Error {
     this.name = "RdmaError";
     this.code = code;
     this.wcStatus = options.wcStatus;
-    this.errno = options.errno;
+    this.errnoName = options.errnoName;
+    const n = options.errnoName === undefined ? undefined : (constants.errno as Record<string, number | undefined>)[options.errnoName];
+    this.errno = n === undefined ? undefined : -n;
+    this.syscall = options.syscall;
   }
 }
 

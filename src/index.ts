@@ -15,5 +15,5 @@ export type { PeerLimits } from "./agent/memory-protocol.js";
 export { setPeerMemoryLimit, peerMemoryUsage } from "./memory/budget.js";
 export { RdmaError, isRdmaError, type RdmaErrorCode } from "./errors.js";
 export { Access } from "./transport/types.js";
-export type { PollingMode } from "./agent/connection.js";
+export type { PollingMode } from "./agent/poller.js";
 export type { ProviderChoice } from "./transport/providers.js";

@@ -197,6 +197,7 @@ const ADVICE: Partial<Record<RdmaErrorCode, string>> = {
   FLUSHED: "the connection had already failed",
 };
 
+/** @internal */
 export class Connection implements MemoryHost {
   readonly qp: QueuePair;
   readonly cq: CompletionQueue;

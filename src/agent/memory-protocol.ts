@@ -52,6 +52,7 @@ export const MAX_UNCLAIMED_LENDS = 1024;
 
 export type CtrlMsg = Partial<Msg> & { type: number };
 
+/** @internal */
 /** What the memory protocol needs from its connection. */
 export interface MemoryHost {
   readonly pool: MrPool;
@@ -102,6 +103,7 @@ interface Pending {
   name: string;
 }
 
+/** @internal */
 export class MemoryProtocol {
   private nextReq = 1;
   private nextId = 1 + Math.floor(Math.random() * 0x3fffffff);

@@ -52,6 +52,7 @@ export function hashKey(hash: Uint8Array): string {
   return Buffer.from(hash).toString("hex");
 }
 
+/** @internal */
 /** An opener of a share: told when it is revoked. */
 export interface ShareOpener {
   /** The share was revoked: tell the peer (its open `id`) and forget the open. */
@@ -63,6 +64,7 @@ interface PdRegistration {
   opens: number;
 }
 
+/** @internal */
 export class Share {
   private readonly regs = new Map<ProtectionDomain, PdRegistration>();
   private readonly opens = new Map<ShareOpener, Set<number>>();
@@ -156,6 +158,7 @@ export class Share {
  * a parent (a listener's table for its connections' own tables): lookups
  * fall through to it.
  */
+/** @internal */
 export class ShareTable {
   private readonly byKey = new Map<string, Share>();
   private closed = false;

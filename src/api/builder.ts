@@ -4,7 +4,7 @@
 import { RdmaError, checkInt } from "../errors.js";
 import { Access, type DeviceAttr } from "../transport/types.js";
 import type { ProviderChoice } from "../transport/providers.js";
-import type { PollingMode } from "../agent/connection.js";
+import type { PollingMode } from "../agent/poller.js";
 import { type Rdma, parseAddr, signalOf, whenReady } from "./rdma.js";
 import { RdmaListener } from "./listener.js";
 import type { ConnectionManager, Establisher } from "./establish.js";
@@ -48,7 +48,7 @@ export interface ResolvedSettings {
   maxHandshakes: number;
   /** How connections are established: the TCP side channel, or RDMA CM (verbs only; rdmacm.ts). */
   cm: ConnectionManager;
-  /** Peer authentication (setAuth); null: unauthenticated (trusted fabric). */
+  /** @internal Peer authentication (setAuth); null: unauthenticated (trusted fabric). */
   auth: Auth | null;
 }
 

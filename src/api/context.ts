@@ -52,6 +52,7 @@ export function contextStats(): { live: number } {
   return { live: liveContexts };
 }
 
+/** @internal */
 export class Context {
   refs = 1;
   /** Regions shared by name from this context's memory (a fork's table falls through to its parent's: the listener's shares). */

@@ -12,12 +12,14 @@ import type { Rdma } from "./rdma.js";
 
 export type ConnectionManager = "tcp" | "rdmacm";
 
+/** @internal */
 /** What a listening source hands its connections and failed handshakes to. */
 export interface ListenerSink {
   push(rdma: Rdma): void;
   reject(e: RdmaError): void;
 }
 
+/** @internal */
 /** A listening endpoint behind an RdmaListener. */
 export interface ListenerSource {
   address(): { host: string; port: number };
@@ -28,6 +30,7 @@ export interface ListenerSource {
   close(): Promise<void>;
 }
 
+/** @internal */
 export interface Establisher {
   readonly name: ConnectionManager;
   /**

@@ -11,7 +11,7 @@
  * hellos (sidechannel.ts, docs/wire-format.md); an error line refusing
  * authentication carries "code":"AUTH_FAILED".
  */
-import net from "node:net";
+import * as net from "node:net";
 import { RdmaError } from "../errors.js";
 import type { Endpoint, ProviderName } from "../transport/types.js";
 
@@ -51,7 +51,7 @@ export class LineReader {
       if (this.buf.length > MAX_LINE) this.failWith(new RdmaError("PROTOCOL", "handshake message too long"));
       this.pump();
     });
-    sock.on("error", (e: NodeJS.ErrnoException) => this.failWith(new RdmaError("CONNECTION_CLOSED", `handshake connection failed: ${e.message}`, { errno: e.code ?? "EIO", cause: e })));
+    sock.on("error", (e: NodeJS.ErrnoException) => this.failWith(new RdmaError("CONNECTION_CLOSED", `handshake connection failed: ${e.message}`, { errnoName: e.code ?? "EIO", ...(e.syscall === undefined ? {} : { syscall: e.syscall }), cause: e })));
     sock.on("close", () => this.failWith(new RdmaError("CONNECTION_CLOSED", "the peer closed the handshake connection")));
   }
 

@@ -307,7 +307,7 @@ export class Rdma {
     return whenReady(await this.redial(this.ctx.retain()));
   }
 
-  /** Internal counters (credits, outstanding work, grants, quota use). */
+  /** @internal Internal counters (credits, outstanding work, grants, quota use). */
   stats(): ReturnType<Connection["stats"]> & { pool: ReturnType<Context["pool"]["stats"]> } {
     return { ...this.conn.stats(), pool: this.ctx.pool.stats() };
   }

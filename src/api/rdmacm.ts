@@ -269,7 +269,7 @@ function stepError(e: CmEvent, id: CmId, step: string, where: string, mod: RdmaC
     return new RdmaError("CONNECTION_REFUSED", `connection to ${where} refused (RDMA CM REJECTED: ${mod.rejectReason(e.status)})${e.status === 8 ? ": is the server listening?" : ""}`);
   }
   const st = e.status < 0 ? id.errnoName(-e.status) : String(e.status);
-  return new RdmaError("CONNECTION_REFUSED", `cannot reach ${where}: ${step} failed (RDMA CM ${e.name}, status ${st})`, e.status < 0 ? { errno: st } : {});
+  return new RdmaError("CONNECTION_REFUSED", `cannot reach ${where}: ${step} failed (RDMA CM ${e.name}, status ${st})`, e.status < 0 ? { errnoName: st } : {});
 }
 
 /** A CM call's synchronous failure (e.g. ENETUNREACH from rdma_resolve_addr) as CONNECTION_REFUSED naming the step. */
@@ -278,8 +278,8 @@ function step(where: string, what: string, fn: () => void): void {
     fn();
   } catch (e) {
     if (e instanceof RdmaError && (e.code === "INVALID_STATE" || e.code === "PROVIDER_UNAVAILABLE")) throw e;
-    const errno = e instanceof RdmaError ? e.errno : undefined;
-    throw new RdmaError("CONNECTION_REFUSED", `cannot reach ${where}: ${what} failed: ${(e as Error).message}`, errno === undefined ? { cause: e } : { errno, cause: e });
+    const errno = e instanceof RdmaError ? e.errnoName : undefined;
+    throw new RdmaError("CONNECTION_REFUSED", `cannot reach ${where}: ${what} failed: ${(e as Error).message}`, errno === undefined ? { cause: e } : { errnoName: errno, cause: e });
   }
 }
 
@@ -507,9 +507,9 @@ async function bindCm(
     try {
       id.bind(host, addr.port);
     } catch (e) {
-      const errno = e instanceof RdmaError ? e.errno : undefined;
+      const errno = e instanceof RdmaError ? e.errnoName : undefined;
       const why = errno === "EADDRINUSE" ? "the port is in use" : errno === "EADDRNOTAVAIL" || errno === "ENODEV" ? "no RDMA device has that address" : (e as Error).message;
-      throw new RdmaError("INVALID_ARGUMENT", `cannot listen on ${addr.host}:${addr.port} with RDMA CM: ${why}`, errno === undefined ? { cause: e } : { errno, cause: e });
+      throw new RdmaError("INVALID_ARGUMENT", `cannot listen on ${addr.host}:${addr.port} with RDMA CM: ${why}`, errno === undefined ? { cause: e } : { errnoName: errno, cause: e });
     }
     info = id.info();
     if (info.deviceName) bound = (await contextFor(info.deviceName, info.portNum)).ctx;

@@ -10,6 +10,7 @@ import type { Context } from "./context.js";
 import type { ResolvedSettings } from "./builder.js";
 import type { Rdma } from "./rdma.js";
 
+/** @internal */
 /** Creates CQ, QP and agent on `ctx`; the QP is in INIT with receives posted. */
 export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDepth: number; eagerMax: number }, holder: { rdma: Rdma | null }): Connection {
   const dev = ctx.device;
@@ -50,6 +51,7 @@ export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDe
   return conn;
 }
 
+/** @internal */
 /**
  * Frees everything a connection set up before it was handed out (every
  * failed setup path: listener, dialWith, newConnection, both RDMA CM paths):

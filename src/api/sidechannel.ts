@@ -22,7 +22,7 @@
  *   server: checks Pc → allocate → hello + auth{mac} ←   mac = MAC(K, "server hello", …, server hello)
  *   client: checks mac → ready →
  */
-import net from "node:net";
+import * as net from "node:net";
 import { RdmaError } from "../errors.js";
 import type { DeviceAttr } from "../transport/types.js";
 import type { Connection } from "../agent/connection.js";
@@ -89,8 +89,8 @@ async function dial(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
       s0.once("error", (e: NodeJS.ErrnoException) => {
         if (signal?.aborted) reject(new RdmaError("ABORTED", "connect aborted"));
         else if (e.message === "timeout") reject(new RdmaError("TIMEOUT", `connect to ${addr.host}:${addr.port} timed out after ${s.connectTimeoutMs} ms`));
-        else if (e.code === "ECONNREFUSED") reject(new RdmaError("CONNECTION_REFUSED", `connection to ${addr.host}:${addr.port} refused: is the server listening?`, { errno: e.code, cause: e }));
-        else reject(new RdmaError("CONNECTION_REFUSED", `cannot reach ${addr.host}:${addr.port}: ${e.message}`, { errno: e.code ?? "EIO", cause: e }));
+        else if (e.code === "ECONNREFUSED") reject(new RdmaError("CONNECTION_REFUSED", `connection to ${addr.host}:${addr.port} refused: is the server listening?`, { errnoName: e.code, ...(e.syscall === undefined ? {} : { syscall: e.syscall }), cause: e }));
+        else reject(new RdmaError("CONNECTION_REFUSED", `cannot reach ${addr.host}:${addr.port}: ${e.message}`, { errnoName: e.code ?? "EIO", ...(e.syscall === undefined ? {} : { syscall: e.syscall }), cause: e }));
       });
     });
     const reader = new LineReader(sock);
@@ -294,7 +294,7 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
   server.on("connection", (sock) => void handshake(sock));
   try {
     await new Promise<void>((res, reject) => {
-      server.once("error", (e: NodeJS.ErrnoException) => reject(new RdmaError("INVALID_ARGUMENT", `cannot listen on ${addr.host}:${addr.port}: ${e.message}`, { errno: e.code ?? "EIO", cause: e })));
+      server.once("error", (e: NodeJS.ErrnoException) => reject(new RdmaError("INVALID_ARGUMENT", `cannot listen on ${addr.host}:${addr.port}: ${e.message}`, { errnoName: e.code ?? "EIO", ...(e.syscall === undefined ? {} : { syscall: e.syscall }), cause: e })));
       server.listen(addr.port, addr.host, () => res());
     });
   } catch (e) {

@@ -1,19 +1,65 @@
 #!/usr/bin/env node
 /**
  * async-rdma command line: thin, parse → call the library → print.
- *   async-rdma devices [--provider tcp|verbs|auto] [--json]
- *   async-rdma lab [host]          the seed lab, server and client as two processes
- *   async-rdma perf <test> [server] perftest's tests and columns (src/cli/perf.ts)
+ * Conventions: `--help`/`-h`/`help` print usage on stdout and exit 0;
+ * `--version`; a usage error or an unknown command exits 2 with a hint on
+ * stderr; a library error exits 1 with its code. Long runs show progress on
+ * stderr only when it is a terminal (progress.ts). A command is one entry of
+ * COMMANDS: its usage line, a one-line summary and its entry point.
  */
 import { spawnSync } from "node:child_process";
+import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import { dirname, join } from "node:path";
 import { RdmaError } from "../errors.js";
 import { loadProvider, type ProviderChoice } from "../transport/providers.js";
 
-function usage(): never {
-  console.error("usage: async-rdma devices [--provider tcp|verbs|auto] [--json]\n       async-rdma lab [host]\n       async-rdma perf <test> [server-address] [options]   (async-rdma perf --help)");
+interface Command {
+  /** Arguments after the command's name, as in the usage text. */
+  args: string;
+  summary: string;
+  /** The full usage text (`async-rdma <command> --help`); default: the usage line and the summary. */
+  help?(): string | Promise<string>;
+  run(args: string[]): void | Promise<void>;
+}
+
+const COMMANDS: Record<string, Command> = {
+  devices: { args: "[--provider tcp|verbs|auto] [--json]", summary: "RDMA devices, ports, GIDs and limits (as ibv_devinfo)", run: devices },
+  lab: { args: "[host]", summary: "the seed lab: server and client as two processes", run: lab },
+  perf: {
+    args: "<test> [server-address] [options]",
+    summary: "perftest's tests and columns (async-rdma perf --help)",
+    help: async () => (await import("./perf.js")).PERF_USAGE,
+    run: async (a) => (await import("./perf.js")).perf(a),
+  },
+};
+
+function usageText(): string {
+  const names = Object.keys(COMMANDS);
+  const w = Math.max(...names.map((n) => n.length));
+  return [
+    "usage: async-rdma <command> [arguments]",
+    "",
+    "commands:",
+    ...names.map((n) => `  ${n.padEnd(w)}  ${COMMANDS[n]!.summary}\n  ${" ".repeat(w)}  async-rdma ${n} ${COMMANDS[n]!.args}`),
+    "",
+    "  async-rdma <command> --help   usage of one command",
+    "  async-rdma --version          the package's version",
+    "",
+    "environment: ASYNC_RDMA_PROVIDER=tcp|verbs overrides the provider of programs that do not choose one",
+  ].join("\n");
+}
+
+/** A usage error: the message and a hint on stderr, exit status 2. */
+function usageError(message: string, cmd?: string): never {
+  console.error(`async-rdma: ${message}`);
+  console.error(cmd ? `usage: async-rdma ${cmd} ${COMMANDS[cmd]!.args}` : 'Run "async-rdma --help" for the commands.');
   process.exit(2);
+}
+
+function version(): string {
+  const here = dirname(fileURLToPath(import.meta.url));
+  return (JSON.parse(readFileSync(join(here, "..", "..", "..", "package.json"), "utf8")) as { version: string }).version;
 }
 
 async function devices(args: string[]): Promise<void> {
@@ -23,7 +69,7 @@ async function devices(args: string[]): Promise<void> {
     const a = args[i];
     if (a === "--provider") choice = (args[++i] ?? "auto") as ProviderChoice;
     else if (a === "--json") json = true;
-    else usage();
+    else usageError(`devices: unknown option ${a ?? ""}`, "devices");
   }
   const provider = await loadProvider(choice);
   const out = [];
@@ -62,12 +108,18 @@ function lab(args: string[]): void {
   process.exit(r.status ?? 1);
 }
 
-const [cmd, ...rest] = process.argv.slice(2);
+const HELP = ["--help", "-h", "help"];
+let [cmd, ...rest] = process.argv.slice(2);
+if (cmd === "help" && rest.length > 0) [cmd, rest] = [rest[0], ["--help"]]; // help <command> = <command> --help
 try {
-  if (cmd === "devices") await devices(rest);
-  else if (cmd === "lab") lab(rest);
-  else if (cmd === "perf") await (await import("./perf.js")).perf(rest);
-  else usage();
+  if (cmd === undefined) usageError("no command given");
+  else if (HELP.includes(cmd) && rest.length === 0) console.log(usageText());
+  else if (cmd === "--version" || cmd === "-V") console.log(version());
+  else if (!Object.hasOwn(COMMANDS, cmd)) usageError(cmd.startsWith("-") ? `unknown option ${cmd}` : `unknown command "${cmd}"`);
+  else if (rest.includes("--help") || rest.includes("-h")) {
+    const c = COMMANDS[cmd]!;
+    console.log(c.help ? await c.help() : `usage: async-rdma ${cmd} ${c.args}\n  ${c.summary}`);
+  } else await COMMANDS[cmd]!.run(rest);
 } catch (e) {
   if (e instanceof RdmaError) {
     console.error(`async-rdma: ${e.code}: ${e.message}`);

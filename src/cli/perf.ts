@@ -16,6 +16,7 @@
  * application gets.
  */
 import { writeFileSync } from "node:fs";
+import { progressLine } from "./progress.js";
 import { RdmaBuilder, RdmaError, type LocalMr, type PollingMode, type ProviderChoice, type Rdma, type RdmaListener, type RemoteMr } from "../index.js";
 
 export const PERF_TESTS = ["write_bw", "read_bw", "send_bw", "atomic_bw", "write_lat", "read_lat", "send_lat", "atomic_lat"] as const;
@@ -824,6 +825,7 @@ async function runClient(o: PerfOptions): Promise<void> {
   const c0 = await b.connect({ host: o.server!, port: o.port || DEFAULT_PORT });
   trace("connected");
   const conns: Rdma[] = [c0];
+  const bar = progressLine();
   try {
     await sendCtrl(c0, { type: "hello", protocol: PROTOCOL, test: o.test, qps: o.qps, txDepth: o.txDepth, writeImm: o.writeImm, gbits: o.gbits });
     await recvCtrl(c0, "hello_ok");
@@ -831,13 +833,16 @@ async function runClient(o: PerfOptions): Promise<void> {
     const s: Session = { o, conns, role: "client", txDepth: o.txDepth, writeImm: o.writeImm };
     header(o, "client", c0, o.qps, o.txDepth, o.test === "write_lat" && !o.writeImm ? "lends its buffer (sendLocalMr) and polls it" : o.test === "send_bw" || o.test === "send_lat" ? "posted receives (two-sided)" : "requestRemoteMr on the server");
     const rows: (BwRow | LatRow)[] = [];
-    for (const size of sizesOf(o)) {
+    const sizes = sizesOf(o);
+    for (const [k, size] of sizes.entries()) {
+      if (sizes.length > 1) bar.update(`perf ${o.test}: ${size} bytes (${k + 1}/${sizes.length})`);
       const iters = itersFor(o, size);
       // -D on a latency test sizes its iterations from the warm-up rate, so it needs some warm-up
       const warm = Math.max(o.duration !== null && !isBw(o.test) ? 10 : 0, o.warmup ?? warmFor(o.test, size, o.txDepth, o.qps));
       await sendCtrl(c0, { type: "size", size, warm });
       const r = isBw(o.test) ? await clientBw(s, size, warm, iters) : await clientLat(s, size, warm, iters);
       rows.push(r.row);
+      bar.clear();
       printRow(o, "client", c0.provider, r.row, r.note);
       await sendCtrl(c0, { type: "result", row: r.row as unknown as Record<string, unknown>, ...(r.note ? { note: r.note } : {}) });
     }
@@ -849,6 +854,7 @@ async function runClient(o: PerfOptions): Promise<void> {
       else out(` plot written to ${o.plot}`);
     }
   } finally {
+    bar.clear();
     await Promise.all(conns.map((c) => c.close().catch(() => {})));
   }
 }
@@ -860,9 +866,13 @@ export async function perf(argv: string[]): Promise<void> {
     o = parsePerfArgs(argv);
   } catch (e) {
     if (e instanceof PerfUsageError) {
-      if (e.message) console.error(`async-rdma perf: ${e.message}`);
+      if (!e.message) {
+        console.log(PERF_USAGE); // --help: usage on stdout, success
+        process.exit(0);
+      }
+      console.error(`async-rdma perf: ${e.message}`);
       console.error(PERF_USAGE);
-      process.exit(e.message ? 2 : 0);
+      process.exit(2);
     }
     throw e;
   }

@@ -15,6 +15,7 @@ function checkTypedArrayCtor(ctor: unknown): void {
   if (!ok) throw new RdmaError("INVALID_ARGUMENT", `view takes a typed array constructor (e.g. Float64Array), got ${ctor === null ? "null" : typeof ctor === "function" ? (ctor as { name?: string }).name || "a function" : typeof ctor}`);
 }
 
+/** @internal */
 /** Owner of the memory behind a LocalMr (the allocation, its pool and its state). */
 export class LocalMemory {
   readonly pool: MrPool | null;

@@ -74,6 +74,7 @@ export interface PoolStats {
   liveBytes: number;
 }
 
+/** @internal */
 export class MrPool {
   readonly pd: ProtectionDomain;
   private readonly slabs = new Map<number, Slab[]>();

@@ -36,7 +36,7 @@ const ALL_SEND_FLAGS = SendFlags.FENCE | SendFlags.SIGNALED | SendFlags.SOLICITE
 const ALL_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC | Access.MW_BIND;
 
 function bad(where: string, what: string, errno?: string): RdmaError {
-  return new RdmaError("INVALID_ARGUMENT", `${where}: ${what}`, errno === undefined ? {} : { errno });
+  return new RdmaError("INVALID_ARGUMENT", `${where}: ${what}`, errno === undefined ? {} : { errnoName: errno });
 }
 
 function isU32(v: unknown): v is number {
@@ -165,7 +165,7 @@ export function validateMrAccess(access: unknown): number {
   checkInt("access", access, 0, ALL_ACCESS);
   const a = access as number;
   if (a & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) && !(a & Access.LOCAL_WRITE)) {
-    throw new RdmaError("INVALID_ARGUMENT", "remote write or atomic access requires LOCAL_WRITE (verbs refuses it with EINVAL)", { errno: "EINVAL" });
+    throw new RdmaError("INVALID_ARGUMENT", "remote write or atomic access requires LOCAL_WRITE (verbs refuses it with EINVAL)", { errnoName: "EINVAL" });
   }
   return a;
 }

@@ -14,7 +14,7 @@
  * - in time: a stream that has not said HELLO within `helloTimeoutMs` is
  *   destroyed.
  */
-import type net from "node:net";
+import type * as net from "node:net";
 import { QpState } from "../types.js";
 import { FrameType } from "./codec.js";
 import { FrameReader } from "./frame-reader.js";

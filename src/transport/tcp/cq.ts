@@ -103,7 +103,7 @@ export class TcpCq implements CompletionQueue {
   }
 
   poll(out: CompletionBuffer, max?: number): number {
-    if (this.destroyed) throw new RdmaError("INVALID_STATE", "poll on a destroyed completion queue", { errno: "EINVAL" });
+    if (this.destroyed) throw new RdmaError("INVALID_STATE", "poll on a destroyed completion queue", { errnoName: "EINVAL" });
     if (!(out instanceof CompletionBuffer)) throw new RdmaError("INVALID_ARGUMENT", "poll needs a CompletionBuffer");
     if (max === undefined) max = out.capacity;
     else checkInt("max", max, 0, 2 ** 31);
@@ -126,14 +126,14 @@ export class TcpCq implements CompletionQueue {
   }
 
   requestNotify(): void {
-    if (this.destroyed) throw new RdmaError("INVALID_STATE", "requestNotify on a destroyed completion queue", { errno: "EINVAL" });
+    if (this.destroyed) throw new RdmaError("INVALID_STATE", "requestNotify on a destroyed completion queue", { errnoName: "EINVAL" });
     this.armed = true;
     this.updateHold();
   }
 
   destroy(): void {
     if (this.destroyed) return;
-    if (this.qps.size > 0 && !this.device.closed) throw new RdmaError("INVALID_STATE", `completion queue still used by ${this.qps.size} QPs (verbs refuses with EBUSY)`, { errno: "EBUSY" });
+    if (this.qps.size > 0 && !this.device.closed) throw new RdmaError("INVALID_STATE", `completion queue still used by ${this.qps.size} QPs (verbs refuses with EBUSY)`, { errnoName: "EBUSY" });
     this.destroyed = true;
     // A destroyed CQ leaves the device's table (it held ~8 KiB per closed connection).
     this.device.cqs.delete(this);

@@ -4,7 +4,7 @@
  * holds. MRs and windows live in memory.ts, the CQ in cq.ts, the QP (the
  * transport proper) in qp.ts.
  */
-import net from "node:net";
+import * as net from "node:net";
 import { randomInt } from "node:crypto";
 import { RdmaError, checkInt } from "../../errors.js";
 import {
@@ -187,7 +187,7 @@ export class TcpPd implements ProtectionDomain {
     const owned = typeof memory === "number";
     const buffer = typeof memory === "number" ? new ArrayBuffer(range.length) : memory;
     if (this.device.liveMrs >= this.device.attr.maxMr) {
-      throw new RdmaError("RESOURCE_EXHAUSTED", `device ${this.device.name} already has ${this.device.attr.maxMr} MRs registered (maxMr; verbs refuses with ENOMEM)`, { errno: "ENOMEM" });
+      throw new RdmaError("RESOURCE_EXHAUSTED", `device ${this.device.name} already has ${this.device.attr.maxMr} MRs registered (maxMr; verbs refuses with ENOMEM)`, { errnoName: "ENOMEM" });
     }
     const mr = new TcpMr(this, buffer, range.offset, range.length, access, owned);
     this.mrs++;
@@ -198,7 +198,7 @@ export class TcpPd implements ProtectionDomain {
     this.checkOpen();
     if (type !== 1 && type !== 2) throw new RdmaError("INVALID_ARGUMENT", `memory window type must be 1 or 2, got ${String(type)}`);
     if (this.device.liveMws >= this.device.attr.maxMw) {
-      throw new RdmaError("RESOURCE_EXHAUSTED", `device ${this.device.name} already has ${this.device.attr.maxMw} memory windows (maxMw; verbs refuses with ENOMEM)`, { errno: "ENOMEM" });
+      throw new RdmaError("RESOURCE_EXHAUSTED", `device ${this.device.name} already has ${this.device.attr.maxMw} memory windows (maxMw; verbs refuses with ENOMEM)`, { errnoName: "ENOMEM" });
     }
     const mw = new TcpMw(this, type);
     this.mws++;
@@ -226,7 +226,7 @@ export class TcpPd implements ProtectionDomain {
       return;
     }
     if (this.mrs || this.qps || this.mws) {
-      throw new RdmaError("INVALID_STATE", `protection domain still has ${this.mrs} MRs, ${this.mws} MWs and ${this.qps} QPs (verbs refuses with EBUSY)`, { errno: "EBUSY" });
+      throw new RdmaError("INVALID_STATE", `protection domain still has ${this.mrs} MRs, ${this.mws} MWs and ${this.qps} QPs (verbs refuses with EBUSY)`, { errnoName: "EBUSY" });
     }
     this.deallocated = true;
   }

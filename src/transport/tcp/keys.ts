@@ -54,7 +54,7 @@ export class KeySpace {
   /** A fresh key whose index no live key has; its index stays reserved until {@link release}. */
   alloc(): number {
     if (this.live.size >= this.capacity) {
-      throw new RdmaError("RESOURCE_EXHAUSTED", `device key space full: ${this.capacity} MRs and memory windows live (verbs refuses with ENOMEM)`, { errno: "ENOMEM" });
+      throw new RdmaError("RESOURCE_EXHAUSTED", `device key space full: ${this.capacity} MRs and memory windows live (verbs refuses with ENOMEM)`, { errnoName: "ENOMEM" });
     }
     for (;;) {
       const r = this.random() >>> 0;

@@ -85,7 +85,7 @@ export class TcpMr implements MemoryRegion {
 
   deregister(): void {
     if (this.deregistered) return;
-    if (this.boundWindows > 0) throw new RdmaError("INVALID_STATE", `MR has ${this.boundWindows} memory windows bound (verbs refuses with EBUSY)`, { errno: "EBUSY" });
+    if (this.boundWindows > 0) throw new RdmaError("INVALID_STATE", `MR has ${this.boundWindows} memory windows bound (verbs refuses with EBUSY)`, { errnoName: "EBUSY" });
     this.deregistered = true;
     this.pd.device.keys.delete(this.lkey);
     this.pd.device.releaseKey(this.lkey);

@@ -16,7 +16,7 @@
  *   completes with WR_FLUSH_ERR, receives included, and the streams close
  *   so the peer learns at once.
  */
-import net from "node:net";
+import * as net from "node:net";
 import { RdmaError, checkInt } from "../../errors.js";
 import { QpState, WcStatus, type AsyncEvent, type AsyncEventType, type Device, type Endpoint, type QpConnectAttr, type QpInitAttr, type QueuePair, type RecvWr, type SendWr } from "../types.js";
 import { validateQpAccess, validateQpCaps, validateRecvWr, validateSendWr } from "../validate.js";
@@ -82,7 +82,7 @@ export class TcpQueuePair implements QueuePair, QpCore {
     if (!this.sendCq || this.sendCq.device !== dev || !this.recvCq || this.recvCq.device !== dev) {
       throw new RdmaError("INVALID_ARGUMENT", "send and receive CQs must belong to the QP's device");
     }
-    if (this.sendCq.destroyed || this.recvCq.destroyed) throw new RdmaError("INVALID_STATE", "cannot create a QP on a destroyed CQ", { errno: "EINVAL" });
+    if (this.sendCq.destroyed || this.recvCq.destroyed) throw new RdmaError("INVALID_STATE", "cannot create a QP on a destroyed CQ", { errnoName: "EINVAL" });
     this.caps = validateQpCaps(init, device.attr);
     this.sqSigAll = init.sqSigAll === true;
     checkInt("portNum", init.portNum ?? 1, 1, 1);
@@ -97,7 +97,7 @@ export class TcpQueuePair implements QueuePair, QpCore {
   }
 
   private checkAlive(what: string): void {
-    if (this.destroyed) throw new RdmaError("INVALID_STATE", `${what}: QP ${this.qpNum} was destroyed`, { errno: "EINVAL" });
+    if (this.destroyed) throw new RdmaError("INVALID_STATE", `${what}: QP ${this.qpNum} was destroyed`, { errnoName: "EINVAL" });
   }
 
   localEndpoint(attr: { portNum?: number; gidIndex?: number } = {}): Endpoint {
@@ -178,7 +178,7 @@ export class TcpQueuePair implements QueuePair, QpCore {
     this.checkAlive("postSend");
     if (!Array.isArray(wrs)) throw new RdmaError("INVALID_ARGUMENT", "postSend takes an array of work requests");
     if (this.state === QpState.RESET || this.state === QpState.INIT || this.state === QpState.RTR) {
-      throw new RdmaError("INVALID_STATE", `postSend needs the QP in RTS (state ${this.state}); connect() first`, { errno: "EINVAL" });
+      throw new RdmaError("INVALID_STATE", `postSend needs the QP in RTS (state ${this.state}); connect() first`, { errnoName: "EINVAL" });
     }
     try {
       for (let i = 0; i < wrs.length; i++) {
@@ -194,7 +194,7 @@ export class TcpQueuePair implements QueuePair, QpCore {
   postRecv(wrs: readonly RecvWr[]): void {
     this.checkAlive("postRecv");
     if (!Array.isArray(wrs)) throw new RdmaError("INVALID_ARGUMENT", "postRecv takes an array of work requests");
-    if (this.state === QpState.RESET) throw new RdmaError("INVALID_STATE", "postRecv needs the QP in INIT or later", { errno: "EINVAL" });
+    if (this.state === QpState.RESET) throw new RdmaError("INVALID_STATE", "postRecv needs the QP in INIT or later", { errnoName: "EINVAL" });
     for (let i = 0; i < wrs.length; i++) {
       const wr = wrs[i]!;
       validateRecvWr(wr, i, this.caps);

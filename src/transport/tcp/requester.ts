@@ -16,7 +16,7 @@
  *   (7 = infinite);
  * - liveness: liveness.ts (the no-progress timer this requester arms).
  */
-import type net from "node:net";
+import type * as net from "node:net";
 import { randomInt } from "node:crypto";
 import { RdmaError } from "../../errors.js";
 import { QpState, WcStatus, WrOpcode, type SendWr } from "../types.js";
@@ -120,7 +120,7 @@ export class Requester {
   enqueue(wr: SendWr, i: number, len: number, maxSendWr: number, signalAll: boolean): void {
     const e = makeEntry(wr, i, len, this.qp.pd, signalAll);
     if (this.sq.length - this.sqHead >= maxSendWr) {
-      throw new RdmaError("RESOURCE_EXHAUSTED", `work request #${i}: send queue full (${maxSendWr} outstanding)`, { errno: "ENOMEM" });
+      throw new RdmaError("RESOURCE_EXHAUSTED", `work request #${i}: send queue full (${maxSendWr} outstanding)`, { errnoName: "ENOMEM" });
     }
     this.sq.push(e);
     if (this.qp.state === QpState.ERR) {

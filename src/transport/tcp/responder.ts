@@ -18,7 +18,7 @@
  * - back-pressure: while more than RESP_PAUSE_BYTES of responses wait for a
  *   peer that does not read them, its requests are not read either.
  */
-import type net from "node:net";
+import type * as net from "node:net";
 import { RdmaError } from "../../errors.js";
 import { Access, QpState, WcFlags, WcOpcode, WcStatus, type Sge } from "../types.js";
 import { FrameFlags, FrameType, Syndrome, encodeHeader, type FrameHeader } from "./codec.js";
@@ -137,7 +137,7 @@ export class Responder {
   enqueue(wrId: number, sgList: readonly Sge[] | undefined, i: number, maxRecvWr: number): void {
     const sges = (sgList ?? []).map((s) => ({ addr: s.addr, length: s.length, lkey: s.lkey }));
     if (this.rq.length - this.rqHead >= maxRecvWr) {
-      throw new RdmaError("RESOURCE_EXHAUSTED", `receive work request #${i}: receive queue full (${maxRecvWr})`, { errno: "ENOMEM" });
+      throw new RdmaError("RESOURCE_EXHAUSTED", `receive work request #${i}: receive queue full (${maxRecvWr})`, { errnoName: "ENOMEM" });
     }
     if (this.qp.state === QpState.ERR) {
       this.qp.recvCq.push(wrId, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);

@@ -23,7 +23,7 @@
  *
  * Records start at byte 16; the SGE region at `sgeOffset` (16-aligned).
  */
-import type { NativeLayout } from "./native.js";
+import { rebuildCommand, type NativeLayout } from "./native.js";
 
 export const CTRL_BYTES = 16;
 export const SEND_WR_BYTES = 64;
@@ -33,7 +33,7 @@ export const SGE_BYTES = 16;
 /** Throws unless the addon was compiled with this layout. */
 export function checkLayout(l: NativeLayout): string | null {
   if (l.ctrlBytes !== CTRL_BYTES || l.sendWrBytes !== SEND_WR_BYTES || l.recvWrBytes !== RECV_WR_BYTES || l.sgeBytes !== SGE_BYTES) {
-    return `the native addon's work-request layout (${JSON.stringify(l)}) does not match this version's codec; rebuild it with \`npm run build:native\``;
+    return `the native addon's work-request layout (${JSON.stringify(l)}) does not match this version's codec; rebuild it with \`${rebuildCommand()}\``;
   }
   return null;
 }

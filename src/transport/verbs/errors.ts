@@ -24,10 +24,10 @@ export function nativeError(e: unknown, what: string): RdmaError {
   if (e instanceof RdmaError) return e;
   const errno = typeof (e as { errno?: unknown })?.errno === "string" ? ((e as { errno: string }).errno as string) : undefined;
   const msg = e instanceof Error ? e.message : String(e);
-  return new RdmaError(errno ? (ERRNO_CODE[errno] ?? "DEVICE") : "DEVICE", `${what}: ${msg}`, errno === undefined ? { cause: e } : { errno, cause: e });
+  return new RdmaError(errno ? (ERRNO_CODE[errno] ?? "DEVICE") : "DEVICE", `${what}: ${msg}`, errno === undefined ? { cause: e } : { errnoName: errno, cause: e });
 }
 
 export function errnoError(addon: NativeAddon, rc: number, what: string): RdmaError {
   const name = addon.errnoName(rc);
-  return new RdmaError(ERRNO_CODE[name] ?? "DEVICE", `${what} (${name})`, { errno: name });
+  return new RdmaError(ERRNO_CODE[name] ?? "DEVICE", `${what} (${name})`, { errnoName: name });
 }

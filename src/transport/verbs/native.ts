@@ -11,8 +11,8 @@
  * provider turns them into RdmaError (see errors.ts in this folder).
  */
 import { createRequire } from "node:module";
-import { existsSync } from "node:fs";
-import { dirname, join } from "node:path";
+import { existsSync, readdirSync } from "node:fs";
+import { basename, dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
 declare const handleBrand: unique symbol;
@@ -209,49 +209,108 @@ export const POST_BAD_RECORD = -3;
 
 export const ADDON_FILE = "async_rdma_verbs.node";
 
-/** Where the addon is looked for: $ASYNC_RDMA_NATIVE, then build/Release of the package. */
-export function addonCandidates(): string[] {
+/** The package root (dist/src/transport/verbs -> 4 up; src/transport/verbs under a TS loader -> 3 up), or null. */
+function packageRoot(): string | null {
   const here = dirname(fileURLToPath(import.meta.url));
-  const out: string[] = [];
-  if (process.env.ASYNC_RDMA_NATIVE) out.push(process.env.ASYNC_RDMA_NATIVE);
-  // dist/src/transport/verbs -> package root is 4 up; src/transport/verbs (ts loaders) 3 up.
   for (const up of ["../../../..", "../../.."]) {
     const root = join(here, up);
-    if (existsSync(join(root, "package.json"))) out.push(join(root, "build", "Release", ADDON_FILE));
+    if (existsSync(join(root, "package.json"))) return root;
   }
+  return null;
+}
+
+/**
+ * How to rebuild the addon, as the reader of a hint can run it: inside a
+ * consumer's node_modules, `npm rebuild async-rdma` (the install script:
+ * prebuild or compile); in a checkout of the project, `npm run build:native`.
+ */
+export function rebuildCommand(): string {
+  const root = packageRoot();
+  return root !== null && basename(dirname(root)) === "node_modules" ? "npm rebuild async-rdma" : "npm run build:native";
+}
+
+/**
+ * The prebuild directory and file suffix for this machine: prebuilds/linux-x64
+ * and ".glibc.node" (scripts/prebuild.mjs names them so); null where no
+ * prebuild can fit (not linux, or musl: its dynamic loader is in /lib). Not
+ * process.report: a report walks every open handle (and may resolve their
+ * addresses), and the provider loads in a process that has sockets open.
+ */
+export function prebuildTag(): { dir: string; suffix: string } | null {
+  if (process.platform !== "linux") return null;
+  let musl = false;
+  try {
+    musl = readdirSync("/lib").some((n) => n.startsWith("ld-musl-"));
+  } catch {
+    /* no /lib: assume glibc; a prebuild that does not fit fails to load and says so */
+  }
+  return musl ? null : { dir: `${process.platform}-${process.arch}`, suffix: ".glibc.node" };
+}
+
+/**
+ * Where `file` (async_rdma_verbs.node or async_rdma_cm.node) is looked for, in
+ * order: the package's build/Release (compiled here: a source build wins, as
+ * with node-gyp-build), then its prebuilds/<platform>-<arch>/ (shipped in the
+ * package).
+ */
+function candidatesFor(file: string): string[] {
+  const root = packageRoot();
+  if (root === null) return [];
+  const out = [join(root, "build", "Release", file)];
+  const tag = prebuildTag();
+  if (tag) out.push(join(root, "prebuilds", tag.dir, file.replace(/\.node$/, tag.suffix)));
   return out;
 }
 
+/** Where the addon is looked for: $ASYNC_RDMA_NATIVE, then build/Release, then the prebuild. */
+export function addonCandidates(): string[] {
+  return [...(process.env.ASYNC_RDMA_NATIVE ? [process.env.ASYNC_RDMA_NATIVE] : []), ...candidatesFor(ADDON_FILE)];
+}
+
+/**
+ * Why an addon that exists failed to load, and the fix. A missing shared
+ * library (no rdma-core on this machine) is fixed by installing it, not by
+ * rebuilding; anything else (a prebuild for a newer glibc, a stale build) by
+ * rebuilding from source.
+ */
+export function explainLoadFailure(what: string, path: string, message: string): string {
+  const first = message.split("\n")[0] ?? "";
+  const lib = /(lib(?:ibverbs|rdmacm|nl-[\w-]+)[^:\s]*): cannot open shared object/.exec(first);
+  if (lib) {
+    const pkg = lib[1]!.startsWith("librdmacm") ? "librdmacm1 rdma-core" : "libibverbs1 ibverbs-providers rdma-core";
+    return `${lib[1]} is missing, so ${what} cannot load (${first}). Fix: apt-get install -y ${pkg}; the tcp provider works without it`;
+  }
+  return `${what} ${path} failed to load: ${first}. Fix: rebuild it from source with \`${rebuildCommand()}\` (needs libibverbs-dev librdmacm-dev and a C toolchain)`;
+}
+
 export type LoadResult = { ok: true; addon: NativeAddon; path: string } | { ok: false; reason: string };
+
+/** Loads the first candidate that exists and loads; the first failure explains why none did. */
+function loadFirst<T>(what: string, tried: string[], notBuilt: string): { ok: true; addon: T; path: string } | { ok: false; reason: string } {
+  const req = createRequire(import.meta.url);
+  let failure: string | null = null;
+  for (const path of tried) {
+    if (!existsSync(path)) continue;
+    try {
+      return { ok: true, addon: req(path) as T, path };
+    } catch (e) {
+      failure ??= explainLoadFailure(what, path, (e as Error).message);
+    }
+  }
+  return { ok: false, reason: failure ?? notBuilt };
+}
 
 let cached: LoadResult | null = null;
 
 export function loadAddon(): LoadResult {
   if (cached) return cached;
-  const req = createRequire(import.meta.url);
   const tried = addonCandidates();
-  const path = tried.find((p) => existsSync(p));
-  if (path === undefined) {
-    cached = {
-      ok: false,
-      reason:
-        `the native addon is not built (looked for ${tried.join(", ") || ADDON_FILE}). ` +
-        "Fix: install the rdma-core headers (apt-get install -y libibverbs-dev librdmacm-dev ibverbs-providers rdma-core) and rebuild it with `npm run build:native`",
-    };
-    return cached;
-  }
-  try {
-    cached = { ok: true, addon: req(path) as NativeAddon, path };
-  } catch (e) {
-    const msg = (e as Error).message;
-    const lib = /lib(ibverbs|rdmacm)[^:]*: cannot open shared object/.exec(msg);
-    cached = {
-      ok: false,
-      reason: lib
-        ? `libibverbs is missing (${msg.split("\n")[0]}). Fix: apt-get install -y libibverbs1 ibverbs-providers rdma-core`
-        : `the native addon ${path} failed to load: ${msg.split("\n")[0]}. Fix: rebuild it with \`npm run build:native\``,
-    };
-  }
+  cached = loadFirst<NativeAddon>(
+    "the native addon",
+    tried,
+    `the native addon is not built, and no prebuild fits this machine (looked for ${tried.join(", ") || ADDON_FILE}). ` +
+      `Fix: install the rdma-core headers and a toolchain (apt-get install -y libibverbs-dev librdmacm-dev ibverbs-providers rdma-core build-essential python3), then \`${rebuildCommand()}\``,
+  );
   return cached;
 }
 
@@ -356,27 +415,13 @@ let cmCached: { ok: true; addon: NativeCmAddon } | { ok: false; reason: string }
 /** Loads the RDMA CM addon from where the verbs addon is ($ASYNC_RDMA_NATIVE_CM overrides). */
 export function loadCmAddon(): { ok: true; addon: NativeCmAddon } | { ok: false; reason: string } {
   if (cmCached) return cmCached;
-  const req = createRequire(import.meta.url);
   const override = process.env.ASYNC_RDMA_NATIVE_CM;
-  const tried = [...(override ? [override] : []), ...addonCandidates().map((p) => join(dirname(p), CM_ADDON_FILE))];
-  const path = tried.find((p) => existsSync(p));
-  if (path === undefined) {
-    cmCached = {
-      ok: false,
-      reason: `the RDMA CM addon is not built (looked for ${tried.join(", ") || CM_ADDON_FILE}). Fix: apt-get install -y librdmacm-dev, then \`npm run build:native\``,
-    };
-    return cmCached;
-  }
-  try {
-    cmCached = { ok: true, addon: req(path) as NativeCmAddon };
-  } catch (e) {
-    const msg = (e as Error).message.split("\n")[0] ?? "";
-    cmCached = {
-      ok: false,
-      reason: /librdmacm[^:]*: cannot open shared object/.test(msg)
-        ? `librdmacm is missing (${msg}). Fix: apt-get install -y librdmacm1 rdma-core`
-        : `the RDMA CM addon ${path} failed to load: ${msg}. Fix: rebuild it with \`npm run build:native\``,
-    };
-  }
+  const tried = [...(override ? [override] : []), ...(process.env.ASYNC_RDMA_NATIVE ? [join(dirname(process.env.ASYNC_RDMA_NATIVE), CM_ADDON_FILE)] : []), ...candidatesFor(CM_ADDON_FILE)];
+  const r = loadFirst<NativeCmAddon>(
+    "the RDMA CM addon",
+    tried,
+    `the RDMA CM addon is not built, and no prebuild fits this machine (looked for ${tried.join(", ") || CM_ADDON_FILE}). Fix: apt-get install -y librdmacm-dev, then \`${rebuildCommand()}\``,
+  );
+  cmCached = r.ok ? { ok: true, addon: r.addon } : r;
   return cmCached;
 }

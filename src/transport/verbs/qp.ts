@@ -213,7 +213,7 @@ export class VerbsQp implements QueuePair, WindowQp {
   postSend(wrs: readonly SendWr[]): void {
     if (!Array.isArray(wrs)) throw new RdmaError("INVALID_ARGUMENT", "postSend takes an array of work requests");
     this.checkLive();
-    if (!this.connected) throw new RdmaError("INVALID_STATE", `postSend needs the QP in RTS (state ${this.state}); connect() first`, { errno: "EINVAL" });
+    if (!this.connected) throw new RdmaError("INVALID_STATE", `postSend needs the QP in RTS (state ${this.state}); connect() first`, { errnoName: "EINVAL" });
     const buf = this.sendBuf;
     let base = 0;
     while (base < wrs.length) {
@@ -261,7 +261,7 @@ export class VerbsQp implements QueuePair, WindowQp {
     const i = base + posted;
     if (rc === POST_DESTROYED) throw new RdmaError("INVALID_STATE", `QP ${this.qpNum} is destroyed`);
     if (rc === POST_BAD_BUFFER || rc === POST_BAD_RECORD) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: rejected by the native encoder`);
-    if (rc === 12 /* ENOMEM */) throw new RdmaError("RESOURCE_EXHAUSTED", `work request #${i}: send queue full (${this.caps.maxSendWr} outstanding)`, { errno: "ENOMEM" });
+    if (rc === 12 /* ENOMEM */) throw new RdmaError("RESOURCE_EXHAUSTED", `work request #${i}: send queue full (${this.caps.maxSendWr} outstanding)`, { errnoName: "ENOMEM" });
     throw errnoError(this.device.addon, rc, `work request #${i}: ibv_post_send failed`);
   }
 
@@ -350,7 +350,7 @@ export class VerbsQp implements QueuePair, WindowQp {
         throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: inline scatter/gather element is not inside a registered MR`);
       }
     }
-    if (len > this.caps.maxInlineData) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: ${len} inline bytes exceed maxInlineData ${this.caps.maxInlineData}`, { errno: "EINVAL" });
+    if (len > this.caps.maxInlineData) throw new RdmaError("INVALID_ARGUMENT", `work request #${i}: ${len} inline bytes exceed maxInlineData ${this.caps.maxInlineData}`, { errnoName: "EINVAL" });
   }
 
   postRecv(wrs: readonly RecvWr[]): void {
@@ -383,7 +383,7 @@ export class VerbsQp implements QueuePair, WindowQp {
           const i = base + buf.badIndex;
           if (rc === POST_DESTROYED) throw new RdmaError("INVALID_STATE", `QP ${this.qpNum} is destroyed`);
           if (rc < 0) throw new RdmaError("INVALID_ARGUMENT", `receive work request #${i}: rejected by the native encoder`);
-          if (rc === 12) throw new RdmaError("RESOURCE_EXHAUSTED", `receive work request #${i}: receive queue full (${this.caps.maxRecvWr})`, { errno: "ENOMEM" });
+          if (rc === 12) throw new RdmaError("RESOURCE_EXHAUSTED", `receive work request #${i}: receive queue full (${this.caps.maxRecvWr})`, { errnoName: "ENOMEM" });
           throw errnoError(this.device.addon, rc, `receive work request #${i}: ibv_post_recv failed`);
         }
         if (this.sawError) this.kickFlush();
