@@ -329,13 +329,17 @@ export class Connection implements MemoryHost {
     const { keepaliveMs: k, peerTimeoutMs: t } = this.opts;
     const every = Math.min(k > 0 ? k : Infinity, t > 0 ? Math.max(10, t / 4) : Infinity);
     if (every !== Infinity) {
-      this.lastProgress = this.lastArrival = performance.now();
+      this.lastProgress = this.lastArrival = this.lastTick = performance.now();
+      this.tickEvery = every;
       this.keepalive = setInterval(() => this.liveness(), every);
       this.keepalive.unref();
     }
   }
 
   private keepalive: NodeJS.Timeout | null = null;
+  /** When the liveness timer last ran, and its period (a late tick shows a blocked event loop). */
+  private lastTick = 0;
+  private tickEvery = 0;
 
   /**
    * Liveness, the same rule on every provider: when nothing arrived for
@@ -347,10 +351,20 @@ export class Connection implements MemoryHost {
   private liveness(): void {
     if (this.failure || this.closing) return;
     const now = performance.now();
+    // A tick that comes late means this process's event loop was blocked (a long synchronous
+    // task, GC, a starved CPU): completions may be waiting unread in the sockets or the CQ.
+    // That time is ours, not the peer's: it does not count as the peer making no progress.
+    const late = now - this.lastTick - this.tickEvery;
+    this.lastTick = now;
+    if (late > this.tickEvery) {
+      this.lastProgress = Math.min(now, this.lastProgress + late);
+      this.lastArrival = Math.min(now, this.lastArrival + late);
+    }
     const t = this.opts.peerTimeoutMs;
     const waiting = this.sqOutstanding > 0 || this.pingOutstanding;
     if (t > 0 && waiting && now - this.lastProgress > t) {
-      this.fail(new RdmaError("RETRY_EXCEEDED", `the peer made no progress for ${Math.round(now - this.lastProgress)} ms (peerTimeoutMs ${t}): it is dead, stopped or unreachable`));
+      const what = this.sqOutstanding > 0 ? `${this.sqOutstanding} work requests outstanding` : "a PING unanswered";
+      this.fail(new RdmaError("RETRY_EXCEEDED", `the peer made no progress for ${Math.round(now - this.lastProgress)} ms (peerTimeoutMs ${t}; ${what}, last arrival ${Math.round(now - this.lastArrival)} ms ago): it is dead, stopped or unreachable`));
       return;
     }
     if (this.opts.keepaliveMs > 0 && !this.pingOutstanding && now - this.lastArrival >= this.opts.keepaliveMs) {

@@ -171,10 +171,10 @@ describe(`API data operations [${PROVIDER}]`, () => {
 
   it("lease expiry, requester side: a late write fails with LEASE_EXPIRED and never reaches the wire", () =>
     withApiPair(async ({ client, server }) => {
-      // allocate first, and scale the lease: in the emulated guest a fresh slab's registration
-      // plus the request's round trip can outlast 30 ms
+      // allocate first, and leave the first write time: on a loaded machine (the suite twice at
+      // once, or the emulated guest) the request's round trip plus a write outlasted 30 ms
       using lmr = client.allocLocalMr(8);
-      const rmr = await client.requestRemoteMr(8, { leaseMs: 30 * SLOW });
+      const rmr = await client.requestRemoteMr(8, { leaseMs: 500 * SLOW });
       await client.write(lmr, rmr);
       await until(rmr.leaseDeadline);
       await assert.rejects(client.write(lmr, rmr), code("LEASE_EXPIRED"));

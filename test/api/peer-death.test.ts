@@ -90,4 +90,32 @@ describe(`API peer death [${PROVIDER}, ${CM}]`, () => {
       await listener.close();
     }
   });
+  it("this process's own blocked event loop (longer than the peer timeout) does not fail a healthy connection", async () => {
+    // Found by the 10,000-call RPC test with the suite running twice at once: handlers ran for
+    // seconds in one turn, and the liveness timer (timers run before I/O) blamed the peer.
+    const T = 400 * SLOW;
+    const listener = await builder("server").setPeerTimeout(T).bind(at(0));
+    try {
+      const accepted = listener.accept();
+      const client = await builder().setPeerTimeout(T).connect(at(listener.port));
+      const server = await accepted;
+      const m = client.allocLocalMr(16);
+      const sent = client.send(m);
+      // Block this process (the peer's too: both ends live here) for three peer timeouts.
+      const until = performance.now() + 3 * T;
+      while (performance.now() < until) {
+        /* a long synchronous task */
+      }
+      await sent;
+      (await server.receive()).dispose();
+      // Still healthy both ways.
+      const back = server.allocLocalMr(8);
+      await server.send(back);
+      assert.equal((await client.receive()).length, 8);
+      await client.close();
+      await server.close();
+    } finally {
+      await listener.close();
+    }
+  });
 });
