@@ -4,6 +4,7 @@
  *   async-rdma devices [--provider tcp|verbs|auto] [--json]
  *   async-rdma lab [host]          the seed lab, server and client as two processes
  *   async-rdma perf <test> [server] perftest's tests and columns (src/cli/perf.ts)
+ *   async-rdma cp / serve          file copy over RDMA (src/cli/cp.ts, src/cli/serve.ts)
  */
 import { spawnSync } from "node:child_process";
 import { fileURLToPath } from "node:url";
@@ -12,7 +13,7 @@ import { RdmaError } from "../errors.js";
 import { loadProvider, type ProviderChoice } from "../transport/providers.js";
 
 function usage(): never {
-  console.error("usage: async-rdma devices [--provider tcp|verbs|auto] [--json]\n       async-rdma lab [host]\n       async-rdma perf <test> [server-address] [options]   (async-rdma perf --help)");
+  console.error("usage: async-rdma devices [--provider tcp|verbs|auto] [--json]\n       async-rdma lab [host]\n       async-rdma perf <test> [server-address] [options]   (async-rdma perf --help)\n       async-rdma cp [options] src... dest   (async-rdma cp --help)\n       async-rdma serve [dir] [options]      (async-rdma serve --help)");
   process.exit(2);
 }
 
@@ -67,6 +68,7 @@ try {
   if (cmd === "devices") await devices(rest);
   else if (cmd === "lab") lab(rest);
   else if (cmd === "perf") await (await import("./perf.js")).perf(rest);
+  else if (cmd === "cp" || cmd === "serve") process.exitCode = await (await import("./copy/command.js")).run(cmd, rest);
   else usage();
 } catch (e) {
   if (e instanceof RdmaError) {
