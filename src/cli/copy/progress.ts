@@ -23,6 +23,8 @@ export class Progress {
   skipped = 0;
   files = 0;
   filesSkipped = 0;
+  /** Round trips to the server (calls of the protocol). */
+  calls = 0;
   file = "";
   readonly errors: { path: string; code: string; message: string }[] = [];
   private readonly t0 = performance.now();
@@ -98,7 +100,7 @@ export class Progress {
   summary(): void {
     const s = this.seconds;
     const rate = s > 0 ? this.done / s / 1e6 : 0;
-    const r = { type: "result", ok: this.errors.length === 0, files: this.files, filesSkipped: this.filesSkipped, bytes: this.done, skipped: this.skipped, seconds: +s.toFixed(3), mbps: +rate.toFixed(1), errors: this.errors.length };
+    const r = { type: "result", ok: this.errors.length === 0, files: this.files, filesSkipped: this.filesSkipped, bytes: this.done, skipped: this.skipped, seconds: +s.toFixed(3), mbps: +rate.toFixed(1), errors: this.errors.length, calls: this.calls };
     if (this.mode === "json") {
       process.stdout.write(JSON.stringify(r) + "\n");
       return;
