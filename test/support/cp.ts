@@ -5,6 +5,7 @@
  * side B's), every wait bounded by a deadline.
  */
 import { spawn, type SpawnOptions } from "node:child_process";
+import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import { dirname, join } from "node:path";
 import { PROVIDER, deviceNames, SLOW } from "./seam.js";
@@ -107,10 +108,35 @@ export async function cp(args: string[], env: Record<string, string> = {}): Prom
   return parse(code, p.out(), p.err());
 }
 
+/**
+ * Resolves once the process is in the stopped state (it printed "stopped"
+ * just before raising SIGSTOP on itself; a SIGCONT sent earlier would be
+ * lost). Linux: the state letter of /proc/<pid>/stat; checked on a short
+ * timer, bounded by the deadline.
+ */
+export function stopped(pid: number, ms = DEADLINE): Promise<void> {
+  const t0 = performance.now();
+  return new Promise((resolve, reject) => {
+    const check = (): void => {
+      let state = "";
+      try {
+        state = /^\d+ \(.*\) (\w)/s.exec(readFileSync(`/proc/${pid}/stat`, "utf8"))?.[1] ?? "";
+      } catch {
+        return reject(new Error(`process ${pid} is gone`));
+      }
+      if (state === "T") return resolve();
+      if (performance.now() - t0 > ms) return reject(new Error(`process ${pid} did not stop within ${ms} ms (state ${state})`));
+      setTimeout(check, 2);
+    };
+    check();
+  });
+}
+
 /** A cp that stops itself (SIGSTOP) after `bytes` were copied; the caller decides what happens next. */
 export async function cpStopped(args: string[], bytes: number): Promise<{ proc: Proc; finish(): Promise<CpResult> }> {
   const proc = run(["cp", "--json", ...args], { env: { ASYNC_RDMA_CP_STOP_AFTER: String(bytes) } });
   await proc.waitFor(/"type":"stopped"/);
+  await stopped(proc.pid);
   return {
     proc,
     async finish() {
