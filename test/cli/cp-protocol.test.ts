@@ -1,0 +1,93 @@
+/**
+ * The cp protocol's codecs and the receiver's rules, in-process: each binary
+ * message kind round-trips and refuses what is malformed; peer paths are
+ * confined; a chunk with a wrong CRC, a digest that differs or a missing
+ * chunk never reaches the final name.
+ */
+import { describe, it } from "node:test";
+import assert from "node:assert/strict";
+import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { crc32 } from "node:zlib";
+import { randomBytes } from "node:crypto";
+import { checkLinkTarget, checkRel } from "../../src/cli/copy/paths.js";
+import { decodeBatch, decodeGet, decodePut, encodeBatch, encodeGet, encodePut, type SmallFile } from "../../src/cli/copy/protocol.js";
+import { fileDigest, FileSink, tempName } from "../../src/cli/copy/files.js";
+import { parseRemote } from "../../src/cli/cp.js";
+
+describe("cp protocol and receiver rules", () => {
+  it("put and get round-trip and refuse a wrong length", () => {
+    assert.deepEqual(decodePut(encodePut(7, 3, 2 ** 40, 65536, 0xdeadbeef)), { id: 7, slot: 3, off: 2 ** 40, len: 65536, crc: 0xdeadbeef });
+    assert.deepEqual(decodeGet(encodeGet(9, 1, 4096, 100)), { id: 9, slot: 1, off: 4096, len: 100 });
+    assert.throws(() => decodePut(new Uint8Array(23)), { code: "PROTOCOL" });
+    assert.throws(() => decodeGet(new Uint8Array(21)), { code: "PROTOCOL" });
+  });
+
+  it("a batch round-trips; truncated, overlong and trailing data are refused", () => {
+    const a: SmallFile = { path: "a", size: 3, mode: 0o644, mtimeMs: 1000.5, crc: crc32("abc") };
+    const b: SmallFile = { path: "d/b", size: 0, mode: 0o600, mtimeMs: 2, crc: 0 };
+    const enc = encodeBatch([a, { path: "gone", code: "ENOENT", message: "no" }, b], [new TextEncoder().encode("abc"), new Uint8Array(0)]);
+    const { files, data } = decodeBatch(enc, 10);
+    assert.equal(files.length, 3);
+    assert.deepEqual(files[0], a);
+    assert.equal(new TextDecoder().decode(data.get(files[0] as SmallFile)), "abc");
+    assert.deepEqual(files[1], { path: "gone", code: "ENOENT", message: "no" });
+    assert.throws(() => decodeBatch(enc.subarray(0, enc.length - 1), 10), { code: "PROTOCOL" });
+    assert.throws(() => decodeBatch(new Uint8Array([...enc, 0]), 10), { code: "PROTOCOL" });
+    assert.throws(() => decodeBatch(enc, 2), { code: "PROTOCOL" });
+    assert.throws(() => decodeBatch(new Uint8Array([0, 0, 0, 9, 1]), 10), { code: "PROTOCOL" });
+  });
+
+  it("peer paths: relative, no '..', no absolute; link targets stay inside", () => {
+    assert.equal(checkRel("a/./b//c/"), "a/b/c");
+    assert.equal(checkRel(""), "");
+    for (const bad of ["..", "a/../b", "/etc/passwd", "a/\0b", "../x"]) assert.throws(() => checkRel(bad), { code: "ESCAPE" }, bad);
+    assert.throws(() => checkRel(5), { code: "PROTOCOL" });
+    checkLinkTarget("d/l", "../x");
+    checkLinkTarget("l", "d/e");
+    assert.throws(() => checkLinkTarget("d/l", "../../x"), { code: "ESCAPE" });
+    assert.throws(() => checkLinkTarget("l", "/etc"), { code: "ESCAPE" });
+  });
+
+  it("remote paths in scp syntax", () => {
+    assert.deepEqual(parseRemote("host:a/b"), { host: "host", port: 7471, path: "a/b" });
+    assert.deepEqual(parseRemote("host:9000:a"), { host: "host", port: 9000, path: "a" });
+    assert.deepEqual(parseRemote("host:"), { host: "host", port: 7471, path: "" });
+    assert.deepEqual(parseRemote("[::1]:9000:x"), { host: "::1", port: 9000, path: "x" });
+    assert.equal(parseRemote("./a:b"), null);
+    assert.equal(parseRemote("/abs:x"), null);
+    assert.equal(parseRemote("plain"), null);
+    assert.equal(parseRemote("dir/a:b"), null);
+  });
+
+  it("a FileSink writes nothing under the final name until verified, flushed and renamed", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "ardma-sink-"));
+    try {
+      const final = join(dir, "f");
+      const data = new Uint8Array(randomBytes(10_000));
+      const meta = { size: data.length, mode: 0o640, mtimeMs: 1_234_567_000 };
+      const sink = await FileSink.open(final, meta, 4096, false);
+      await assert.rejects(sink.write(0, data.subarray(0, 4096), crc32(data.subarray(0, 4096)) ^ 1), { code: "CHECKSUM" });
+      await sink.write(0, data.subarray(0, 4096), crc32(data.subarray(0, 4096)));
+      await sink.write(8192, data.subarray(8192), crc32(data.subarray(8192)));
+      await assert.rejects(sink.write(100, data.subarray(100, 200), 0), { code: "PROTOCOL" }); // not a chunk boundary
+      await assert.rejects(sink.finish("x"), { code: "PROTOCOL" }); // chunk 1 missing
+      assert.equal(existsSync(final), false);
+      await sink.write(4096, data.subarray(4096, 8192), crc32(data.subarray(4096, 8192)));
+      const crcs = [0, 4096, 8192].map((o) => crc32(data.subarray(o, o + 4096)));
+      await assert.rejects(sink.finish(fileDigest(meta.size, [crcs[1]!, crcs[0]!, crcs[2]!])), { code: "CHECKSUM" });
+      assert.equal(existsSync(final), false);
+      assert.ok(existsSync(tempName(final)), "the temporary file is kept");
+      // resume: the kept file's chunks are offered, the agreed prefix accepted
+      const again = await FileSink.open(final, meta, 4096, true);
+      assert.deepEqual(again.existing, crcs);
+      assert.equal(again.accept(3), data.length);
+      await again.finish(fileDigest(meta.size, crcs));
+      assert.deepEqual(new Uint8Array(readFileSync(final)), data);
+      assert.equal(existsSync(tempName(final)), false);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});
