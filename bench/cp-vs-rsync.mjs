@@ -1,0 +1,188 @@
+#!/usr/bin/env node
+// async-rdma cp vs rsync --whole-file (rsync daemon, rsync://) vs a plain Node
+// stream pipe. Run through bench/cp-vs-rsync.sh (installs rsync when missing).
+//
+//   node bench/cp-vs-rsync.mjs [--runs 3] [--size 2g] [--files 10000] [--provider tcp]
+//                              [--dir /var/tmp] [--only big|tree] [--cp-args "--chunk 1m --depth 8"]
+//
+// Each run copies into an emptied destination; the tools alternate (the
+// order rotates every run); the table shows medians. CPU is user + sys
+// seconds of the client process plus the server's increase over the run
+// (rsync's daemon forks one child per connection: its reaped children count).
+// The source stays in the page cache for every tool alike; every tool's
+// destination is on the same file system. Ours fsyncs each file before its
+// rename; rsync and the Node pipe do not flush.
+import { spawn, spawnSync } from "node:child_process";
+import { mkdtempSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync, openSync, writeSync, closeSync } from "node:fs";
+import { randomBytes } from "node:crypto";
+import { join } from "node:path";
+
+const root = new URL("..", import.meta.url).pathname;
+const MAIN = join(root, "dist", "src", "cli", "main.js");
+const opt = { runs: 3, size: "2g", files: 10000, provider: "tcp", dir: "/var/tmp", only: null, cpArgs: "" };
+const argv = process.argv.slice(2);
+for (let i = 0; i < argv.length; i++) {
+  const k = argv[i];
+  const v = argv[++i];
+  if (k === "--runs") opt.runs = Number(v);
+  else if (k === "--size") opt.size = v;
+  else if (k === "--files") opt.files = Number(v);
+  else if (k === "--provider") opt.provider = v;
+  else if (k === "--dir") opt.dir = v;
+  else if (k === "--only") opt.only = v;
+  else if (k === "--cp-args") opt.cpArgs = v;
+  else {
+    console.error(`unknown option ${k}`);
+    process.exit(2);
+  }
+}
+const bytesOf = (s) => Number(/^(\d+)/.exec(s)[1]) * { "": 1, k: 1024, m: 1024 ** 2, g: 1024 ** 3 }[(/[kmg]?$/i.exec(s)[0] || "").toLowerCase()];
+const SIZE = bytesOf(opt.size);
+const TICK = Number(spawnSync("getconf", ["CLK_TCK"], { encoding: "utf8" }).stdout.trim() || 100);
+
+function cpuOf(pid) {
+  const f = readFileSync(`/proc/${pid}/stat`, "utf8").replace(/^.*\) /s, "").split(" ");
+  // fields 14..17 of stat (utime stime cutime cstime), here offset by the 2 removed
+  return (Number(f[11]) + Number(f[12]) + Number(f[13]) + Number(f[14])) / TICK;
+}
+
+function waitLine(child, re) {
+  return new Promise((resolve, reject) => {
+    let buf = "";
+    const t = setTimeout(() => reject(new Error(`no ${re} from the server: ${buf}`)), 30_000);
+    child.stdout.on("data", (d) => {
+      buf += d;
+      const m = re.exec(buf);
+      if (m) (clearTimeout(t), resolve(m));
+    });
+    child.on("exit", (c) => reject(new Error(`server exited (${c}): ${buf}`)));
+  });
+}
+
+/** Runs a client under /usr/bin/time; { wall, cpu } (its user + sys). */
+function timed(cmd, args) {
+  const out = join(work, "time.txt");
+  const r = spawnSync("/usr/bin/time", ["-f", "%e %U %S", "-o", out, cmd, ...args], { encoding: "utf8", stdio: ["ignore", "pipe", "pipe"] });
+  if (r.status !== 0) throw new Error(`${cmd} ${args.join(" ")} failed (${r.status}):\n${r.stdout}\n${r.stderr}`);
+  const [e, u, s] = readFileSync(out, "utf8").trim().split("\n").pop().split(" ").map(Number);
+  return { wall: e, cpu: u + s };
+}
+
+function median(xs) {
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.floor(s.length / 2)];
+}
+
+const work = mkdtempSync(join(opt.dir, "ardma-cpbench-"));
+const src = join(work, "src");
+const dst = { ours: join(work, "dst-ours"), rsync: join(work, "dst-rsync"), node: join(work, "dst-node") };
+for (const d of [src, ...Object.values(dst)]) mkdirSync(d, { recursive: true });
+const kids = [];
+process.on("exit", () => {
+  for (const k of kids) k.kill("SIGKILL");
+  rmSync(work, { recursive: true, force: true });
+});
+process.on("SIGINT", () => process.exit(130));
+
+console.error(`# work dir ${work}; creating a ${opt.size} file and ${opt.files} files of 4 KiB`);
+{
+  const fd = openSync(join(src, "big"), "w");
+  const block = randomBytes(16 << 20);
+  for (let o = 0; o < SIZE; o += block.length) {
+    randomBytes(Math.min(64, block.length)).copy(block, 0); // blocks differ: nothing dedups or compresses
+    writeSync(fd, block, 0, Math.min(block.length, SIZE - o));
+  }
+  closeSync(fd);
+  for (let i = 0; i < opt.files; i++) {
+    const d = join(src, "tree", `d${String(Math.floor(i / 100)).padStart(3, "0")}`);
+    if (i % 100 === 0) mkdirSync(d, { recursive: true });
+    writeFileSync(join(d, `f${i}`), randomBytes(4096));
+  }
+  spawnSync("sync");
+}
+
+// servers
+const ours = spawn(process.execPath, [MAIN, "serve", dst.ours, "-p", "0", "--bind", "127.0.0.1", "--provider", opt.provider], { stdio: ["ignore", "pipe", "inherit"] });
+kids.push(ours);
+const oursPort = Number((await waitLine(ours, / on .*:(\d+)/))[1]);
+const rsyncPort = 20000 + (process.pid % 20000);
+writeFileSync(join(work, "rsyncd.conf"), `port = ${rsyncPort}\nuse chroot = no\n[d]\npath = ${dst.rsync}\nread only = false\nuid = root\ngid = root\n`);
+const rsyncd = spawn("rsync", ["--daemon", "--no-detach", `--config=${join(work, "rsyncd.conf")}`, "--address=127.0.0.1"], { stdio: ["ignore", "pipe", "inherit"] });
+kids.push(rsyncd);
+const nodeSrv = spawn(process.execPath, [join(root, "bench", "lib", "node-pipe.mjs"), "server", dst.node], { stdio: ["ignore", "pipe", "inherit"] });
+kids.push(nodeSrv);
+const nodePort = Number((await waitLine(nodeSrv, /port (\d+)/))[1]);
+// the rsync daemon is up once it answers a module listing
+for (let i = 0; spawnSync("rsync", [`rsync://127.0.0.1:${rsyncPort}/`]).status !== 0; i++) {
+  if (i > 100) throw new Error("rsync daemon did not start");
+  await new Promise((r) => setTimeout(r, 100));
+}
+
+const cpArgs = opt.cpArgs.split(/\s+/).filter(Boolean);
+const tools = {
+  ours: {
+    server: ours,
+    big: () => [process.execPath, [MAIN, "cp", "-q", "--provider", opt.provider, ...cpArgs, join(src, "big"), `127.0.0.1:${oursPort}:`]],
+    tree: () => [process.execPath, [MAIN, "cp", "-q", "-r", "--provider", opt.provider, ...cpArgs, join(src, "tree"), `127.0.0.1:${oursPort}:`]],
+  },
+  rsync: {
+    server: rsyncd,
+    big: () => ["rsync", ["-pt", "--whole-file", join(src, "big"), `rsync://127.0.0.1:${rsyncPort}/d/`]],
+    tree: () => ["rsync", ["-rlpt", "--whole-file", join(src, "tree"), `rsync://127.0.0.1:${rsyncPort}/d/`]],
+  },
+  node: {
+    server: nodeSrv,
+    big: () => [process.execPath, [join(root, "bench", "lib", "node-pipe.mjs"), "client", "127.0.0.1", String(nodePort), join(src, "big")]],
+    tree: null, // one stream per file would be its own protocol: not a reference
+  },
+};
+
+const results = [];
+const cases = [
+  ["big", SIZE, 1],
+  ["tree", opt.files * 4096, opt.files],
+].filter(([c]) => !opt.only || opt.only === c);
+const names = Object.keys(tools);
+for (const [what, bytes] of cases) {
+  for (let run = 0; run < opt.runs; run++) {
+    const order = names.map((_, i) => names[(i + run) % names.length]);
+    for (const name of order) {
+      const t = tools[name];
+      if (!t[what]) continue;
+      rmSync(dst[name], { recursive: true, force: true });
+      mkdirSync(dst[name]);
+      spawnSync("sync"); // the previous run's write-back does not land in this one
+      const before = cpuOf(t.server.pid);
+      const [cmd, args] = t[what]();
+      const c = timed(cmd, args);
+      const server = cpuOf(t.server.pid) - before;
+      const r = { what, tool: name, run, seconds: c.wall, mbps: bytes / c.wall / 1e6, cpuClient: c.cpu, cpuServer: server, cpu: c.cpu + server };
+      results.push(r);
+      console.error(JSON.stringify(r));
+      if (run === 0) {
+        // an honest bench copies for real: compare once
+        const got = name === "node" ? join(dst.node, readdirSync(dst.node)[0]) : join(dst[name], what === "big" ? "big" : "tree");
+        const cmp = spawnSync(what === "big" ? "cmp" : "diff", what === "big" ? [join(src, "big"), got] : ["-r", join(src, "tree"), got]);
+        if (cmp.status !== 0) throw new Error(`${name} ${what}: the copy differs from the source`);
+      }
+    }
+  }
+}
+
+const rows = [];
+for (const [what, bytes] of cases) {
+  for (const name of names) {
+    const rs = results.filter((r) => r.what === what && r.tool === name);
+    if (rs.length === 0) continue;
+    rows.push({ what, tool: name, mbps: median(rs.map((r) => r.mbps)), cpu: median(rs.map((r) => r.cpu)), cpuClient: median(rs.map((r) => r.cpuClient)), cpuServer: median(rs.map((r) => r.cpuServer)), runs: rs.map((r) => r.mbps.toFixed(1)).join(" / "), cpuPerGB: median(rs.map((r) => r.cpu)) / (bytes / 1e9) });
+  }
+}
+console.log(`| case | tool | MB/s (median) | CPU s, both ends (client + server) | CPU s per GB | runs MB/s |`);
+console.log(`|---|---|---|---|---|---|`);
+for (const r of rows) console.log(`| ${r.what === "big" ? `${opt.size} file` : `${opt.files} × 4 KiB`} | ${r.tool} | ${r.mbps.toFixed(1)} | ${r.cpu.toFixed(2)} (${r.cpuClient.toFixed(2)} + ${r.cpuServer.toFixed(2)}) | ${r.cpuPerGB.toFixed(2)} | ${r.runs} |`);
+for (const [what] of cases) {
+  const o = rows.find((r) => r.what === what && r.tool === "ours");
+  const s = rows.find((r) => r.what === what && r.tool === "rsync");
+  if (o && s) console.log(`\n${what}: ours / rsync throughput ${(o.mbps / s.mbps).toFixed(2)}×, CPU ${(o.cpu / s.cpu).toFixed(2)}×`);
+}
+process.exit(0);
