@@ -13,13 +13,14 @@
  * travel inline, many per call. See docs/cp.md.
  */
 import { lstat, realpath, stat } from "node:fs/promises";
-import { basename, dirname, join, posix } from "node:path";
+import { basename, join, posix } from "node:path";
 import { RpcClient, RpcError } from "../rpc/index.js";
 import { RdmaError, type LocalMr, type Rdma, type RemoteMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./copy/common.js";
 import { checkRel, CopyError, withPath } from "./copy/paths.js";
-import { chunkCount, chunkLen, FileSink, FileSource, syncDir } from "./copy/files.js";
-import { makeDir, makeLink, mapLimit, setTimes, walk, writeWhole } from "./copy/tree.js";
+import { chunkCount, chunkLen, FileSink, FileSource } from "./copy/files.js";
+import { readSmall, writeBatch, type BatchFile } from "./copy/batch.js";
+import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
 import { decodeBatch, encodeBatch, encodeGet, encodePut, fromJson, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
 import { Progress, type OutputMode } from "./copy/progress.js";
 
@@ -28,8 +29,8 @@ export const DEFAULT_CHUNK = 1024 * 1024;
 export const DEFAULT_DEPTH = 8;
 /** Files up to this size travel inline in batches. */
 const SMALL = 256 * 1024;
-const BATCH_FILES = 512;
-const BATCH_BYTES = 4 * 1024 * 1024;
+const BATCH_FILES = 1024;
+const BATCH_BYTES = 8 * 1024 * 1024;
 const BATCHES_IN_FLIGHT = 4;
 
 const USAGE = `usage: async-rdma cp [options] src... dest
@@ -265,17 +266,11 @@ async function upload(s: Session, items: Item[]): Promise<void> {
       const ok: Item[] = [];
       for (const i of batch) {
         try {
-          const src = await FileSource.open(i.from, true);
-          try {
-            const buf = Buffer.allocUnsafe(src.st.size);
-            const crc = src.st.size === 0 ? 0 : await src.readChunk(0, src.st.size, buf, s.opts.verify);
-            if (await src.changed()) throw new CopyError("SOURCE_CHANGED", "changed while it was read; rerun with --resume");
-            files.push({ path: i.to, ...src.meta, crc });
-            data.push(buf);
-            ok.push(i);
-          } finally {
-            await src.close();
-          }
+          // a file named on the command line is followed (as scp does); inside a tree, links are copied as links
+          const r = readSmall(i.from, i.entry.path === "", SMALL, s.opts.verify);
+          files.push({ path: i.to, ...r.meta, crc: r.crc });
+          data.push(r.data);
+          ok.push(i);
         } catch (e) {
           p.fail(i.from, codeOf(e), msgOf(withPath(e, i.from)));
         }
@@ -462,20 +457,22 @@ async function download(s: Session, items: Item[]): Promise<void> {
     small: async (batch) => {
       const byPath = new Map(batch.map((i) => [checkRel(i.from), i]));
       const { files, data } = decodeBatch(await s.rpcCall("getSmall", toJson({ paths: [...byPath.keys()] })), batch.length);
-      const dirs = new Set<string>();
-      await mapLimit(files, 16, async (f) => {
+      const todo: { i: Item; b: BatchFile }[] = [];
+      for (const f of files) {
         const i = byPath.get(f.path);
         if (!i) throw new CopyError("PROTOCOL", `the server sent ${JSON.stringify(f.path)}, which was not asked for`);
-        if (!("crc" in f)) return p.fail(i.from, f.code, f.message);
-        try {
-          await writeWhole(i.to, f, data.get(f)!, s.opts.verify);
-          dirs.add(dirname(i.to));
-          done(p, i);
-        } catch (e) {
-          p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
-        }
+        if (!("crc" in f)) p.fail(i.from, f.code, f.message);
+        else todo.push({ i, b: { abs: i.to, f, data: data.get(f)! } });
+      }
+      const errs = await writeBatch(
+        todo.map((t) => t.b),
+        s.opts.verify,
+      );
+      errs.forEach((e, k) => {
+        const { i } = todo[k]!;
+        if (e === null) done(p, i);
+        else p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
       });
-      await mapLimit([...dirs], 4, syncDir);
     },
     big: async (i) => {
       p.file = i.from;

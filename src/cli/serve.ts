@@ -8,13 +8,13 @@
  * Uploads land under temporary names until complete and verified.
  */
 import { lstat, realpath } from "node:fs/promises";
-import { dirname } from "node:path";
 import { RpcServer, type RpcHandler } from "../rpc/index.js";
 import type { LocalMr, Rdma, SharedMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
-import { checkLinkTarget, checkRel, CopyError, resolveInside, withPath } from "./copy/paths.js";
-import { chunkLen, FileSink, FileSource, syncDir } from "./copy/files.js";
-import { makeDir, makeLink, mapLimit, setTimes, walk, writeWhole } from "./copy/tree.js";
+import { checkLinkTarget, checkRel, CopyError, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
+import { readSmall, writeBatch, type BatchFile } from "./copy/batch.js";
+import { chunkLen, FileSink, FileSource } from "./copy/files.js";
+import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
 import { arr, decodeBatch, decodeGet, decodePut, encodeBatch, failure, fromJson, int, num, str, toJson, VERSION, type Result, type SmallResult } from "./copy/protocol.js";
 
 const USAGE = `usage: async-rdma serve [dir] [options]
@@ -246,20 +246,27 @@ function handlers(s: Session): Record<string, RpcHandler> {
     putSmall: h(async (p) => {
       s.writable();
       const { files, data } = decodeBatch(p, MAX_BATCH_FILES);
-      const dirs = new Set<string>();
-      const results = await mapLimit(files, 16, async (f): Promise<Result> => {
-        if (!("crc" in f)) return { ok: false, code: "PROTOCOL", message: "an upload entry without data" };
+      const parents = new Map<string, string>();
+      const results: Result[] = files.map(() => ({ ok: true }));
+      const todo: { k: number; b: BatchFile }[] = [];
+      files.forEach((f, k) => {
         try {
-          const { abs } = await where(s, f.path);
+          if (!("crc" in f)) throw new CopyError("PROTOCOL", "an upload entry without data");
+          const abs = resolveInsideSync(root, checkRel(f.path), parents);
           if (abs === root) throw new CopyError("EISDIR", "the destination is the served directory");
-          await writeWhole(abs, f, data.get(f)!, s.verify);
-          dirs.add(dirname(abs));
-          return { ok: true };
+          todo.push({ k, b: { abs, f, data: data.get(f)! } });
         } catch (e) {
-          return failure(withPath(e, f.path));
+          results[k] = failure(withPath(e, f.path));
         }
       });
-      await mapLimit([...dirs], 4, syncDir);
+      const errs = await writeBatch(
+        todo.map((t) => t.b),
+        s.verify,
+      );
+      errs.forEach((e, j) => {
+        const t = todo[j]!;
+        if (e !== null) results[t.k] = failure(withPath(e, t.b.f.path));
+      });
       return toJson({ results });
     }),
     openRead: json(async (o) => {
@@ -308,34 +315,26 @@ function handlers(s: Session): Record<string, RpcHandler> {
     }),
     getSmall: h(async (p) => {
       const o = fromJson(p);
-      const paths = (o.paths as unknown[]) ?? [];
+      const paths = o.paths;
       if (!Array.isArray(paths) || paths.length > MAX_BATCH_FILES) throw new CopyError("PROTOCOL", `getSmall: at most ${MAX_BATCH_FILES} paths`);
+      const parents = new Map<string, string>();
       let total = 0;
-      const got = await mapLimit(paths, 16, async (path): Promise<{ r: SmallResult; d: Uint8Array | null }> => {
+      const list: SmallResult[] = [];
+      const bufs: Uint8Array[] = [];
+      for (const path of paths) {
         let rel = String(path);
         try {
           rel = checkRel(path);
-          const src = await FileSource.open(await resolveInside(root, rel));
-          try {
-            const size = src.st.size;
-            if (size > s.chunk || total + size > MAX_BATCH_BYTES) throw new CopyError("E2BIG", "too large for a batch (ask for it alone)");
-            total += size;
-            const buf = Buffer.allocUnsafe(size);
-            const crc = await src.readChunk(0, Math.max(size, 1), buf);
-            if (await src.changed()) throw new CopyError("SOURCE_CHANGED", "changed while it was read");
-            return { r: { path: rel, ...src.meta, crc: size === 0 ? 0 : crc }, d: buf };
-          } finally {
-            await src.close();
-          }
+          const r = readSmall(resolveInsideSync(root, rel, parents), false, Math.min(s.chunk, MAX_BATCH_BYTES - total), s.verify);
+          total += r.meta.size;
+          list.push({ path: rel, ...r.meta, crc: r.crc });
+          bufs.push(r.data);
         } catch (e) {
           const f = failure(withPath(e, rel));
-          return { r: { path: rel, code: f.code, message: f.message }, d: null };
+          list.push({ path: rel, code: f.code, message: f.message });
         }
-      });
-      return encodeBatch(
-        got.map((g) => g.r),
-        got.flatMap((g) => (g.d ? [g.d] : [])),
-      );
+      }
+      return encodeBatch(list, bufs);
     }),
   };
 }

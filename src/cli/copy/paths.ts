@@ -6,6 +6,7 @@
  * symlink is copied as a link.
  */
 import { realpath } from "node:fs/promises";
+import { realpathSync } from "node:fs";
 import { basename, dirname, join, posix } from "node:path";
 
 /** An error with a stable code (Node's fs codes, or ESCAPE, CHECKSUM, SOURCE_CHANGED, EROFS, PROTOCOL). */
@@ -80,4 +81,25 @@ export function withPath(e: unknown, rel: string): unknown {
     EFBIG: "file too large",
   };
   return new CopyError(code, `${rel === "" ? "." : rel}: ${what[code] ?? (e as Error).message}`);
+}
+
+/**
+ * resolveInside for many paths at once (a batch of small files): the
+ * parent's realpath is looked up once per directory, synchronously.
+ */
+export function resolveInsideSync(root: string, rel: string, parents: Map<string, string>): string {
+  if (rel === "") return root;
+  const abs = join(root, rel);
+  const dir = dirname(abs);
+  let parent = parents.get(dir);
+  if (parent === undefined) {
+    try {
+      parent = realpathSync(dir);
+    } catch (e) {
+      throw withPath(e, rel);
+    }
+    parents.set(dir, parent);
+  }
+  if (!inside(root, parent)) throw new CopyError("ESCAPE", `${JSON.stringify(rel)} resolves outside the served directory (through a symlink): refused`);
+  return join(parent, basename(abs));
 }

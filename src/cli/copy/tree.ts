@@ -1,38 +1,39 @@
 /**
  * Whole-tree operations shared by both ends: listing a tree without
- * following links, creating directories and links, and writing a small file
- * in one go (the same temporary-name, verify, fsync, rename rule as
- * FileSink, for files that travel inline in a batch).
+ * following links, creating directories and links.
  */
-import { constants } from "node:fs";
-import { lstat, mkdir, open, readdir, readlink, rename, symlink, unlink, utimes, chmod } from "node:fs/promises";
+import { lstatSync, readdirSync, readlinkSync } from "node:fs";
+import { lstat, mkdir, rename, symlink, unlink, utimes, chmod } from "node:fs/promises";
 import { join } from "node:path";
-import { crc32 } from "node:zlib";
 import { CopyError } from "./paths.js";
 import { tempName } from "./files.js";
-import type { Entry, SmallFile } from "./protocol.js";
+import type { Entry } from "./protocol.js";
 
 /** Most entries one listing returns. */
 export const MAX_ENTRIES = 1_000_000;
 
-/** The tree at `abs` (itself first, path ""), depth first, links not followed. */
+/**
+ * The tree at `abs` (itself first, path ""), depth first, links not
+ * followed. Synchronous: one lstat per entry through the thread pool cost
+ * more than the lstat (10,000 entries: ~0.5 s against ~40 ms).
+ */
 export async function walk(abs: string): Promise<Entry[]> {
   const out: Entry[] = [];
-  const visit = async (a: string, rel: string): Promise<void> => {
-    const st = await lstat(a);
+  const visit = (a: string, rel: string): void => {
+    const st = lstatSync(a);
     if (out.length >= MAX_ENTRIES) throw new CopyError("E2BIG", `more than ${MAX_ENTRIES} entries`);
     const base = { path: rel, size: st.size, mode: st.mode & 0o7777, mtimeMs: st.mtimeMs };
-    if (st.isSymbolicLink()) out.push({ ...base, type: "symlink", size: 0, target: await readlink(a) });
+    if (st.isSymbolicLink()) out.push({ ...base, type: "symlink", size: 0, target: readlinkSync(a) });
     else if (st.isDirectory()) {
       out.push({ ...base, type: "dir", size: 0 });
-      for (const n of (await readdir(a)).sort()) {
+      for (const n of readdirSync(a).sort()) {
         if (n.endsWith(".rdma-part") && n.startsWith(".")) continue; // our own temporary files
-        await visit(join(a, n), rel === "" ? n : `${rel}/${n}`);
+        visit(join(a, n), rel === "" ? n : `${rel}/${n}`);
       }
     } else if (st.isFile()) out.push({ ...base, type: "file" });
     // sockets, fifos, devices: not copied
   };
-  await visit(abs, "");
+  visit(abs, "");
   return out;
 }
 
@@ -59,26 +60,6 @@ export async function makeLink(abs: string, target: string): Promise<void> {
   const tmp = tempName(abs);
   await unlink(tmp).catch(() => {});
   await symlink(target, tmp);
-  await rename(tmp, abs);
-}
-
-/** Writes a small file whole: CRC check, temporary name, fsync, mode and mtime, rename. */
-export async function writeWhole(abs: string, f: SmallFile, data: Uint8Array, verify = true): Promise<void> {
-  const got = verify ? crc32(data) >>> 0 : f.crc >>> 0;
-  if (got !== f.crc >>> 0) throw new CopyError("CHECKSUM", `arrived with CRC-32 ${got.toString(16)}, the sender's is ${(f.crc >>> 0).toString(16)}`);
-  const st = await lstat(abs).catch(() => null);
-  if (st?.isDirectory()) throw new CopyError("EISDIR", "the destination is a directory, a file is expected");
-  const tmp = tempName(abs);
-  const fh = await open(tmp, constants.O_WRONLY | constants.O_CREAT | constants.O_TRUNC | constants.O_NOFOLLOW, 0o600);
-  try {
-    let done = 0;
-    while (done < data.length) done += (await fh.write(data, done, data.length - done, done)).bytesWritten;
-    await fh.sync();
-    await fh.chmod(f.mode & 0o7777);
-    await fh.utimes(f.mtimeMs / 1000, f.mtimeMs / 1000);
-  } finally {
-    await fh.close();
-  }
   await rename(tmp, abs);
 }
 

@@ -1,0 +1,143 @@
+/**
+ * Small files, many at a time, on either end. Per file the rule is the one
+ * of FileSink (CRC checked, temporary name, flushed before the rename, mode
+ * and mtime set before it appears), but the costs are paid per batch:
+ *
+ * - the file operations are synchronous: for a 4 KiB file, a round trip
+ *   through libuv's 4-thread pool per call (open, write, chmod, utimes,
+ *   close, rename…) costs more than the call itself;
+ * - the flush is one syncfs(2) per file system for the whole batch (through
+ *   `sync -f`, coreutils), then the renames, then one more syncfs for the
+ *   directory entries. Measured here: fsync costs ~0.7 ms per file at any
+ *   concurrency, so 10,000 files spent ~7 s flushing one by one; two syncfs
+ *   per 512 files cost a few ms. When `sync -f` is not available, every
+ *   file is fsynced (and its directory) instead.
+ */
+import { execFile } from "node:child_process";
+import { closeSync, constants, fchmodSync, fstatSync, futimesSync, lstatSync, openSync, readSync, renameSync, statSync, writeSync } from "node:fs";
+import { open } from "node:fs/promises";
+import { dirname } from "node:path";
+import { crc32 } from "node:zlib";
+import { CopyError } from "./paths.js";
+import { syncDir, tempName, type FileMeta } from "./files.js";
+import { mapLimit } from "./tree.js";
+import type { SmallFile } from "./protocol.js";
+
+export interface BatchFile {
+  abs: string;
+  f: SmallFile;
+  data: Uint8Array;
+}
+
+let syncfsWorks: boolean | null = null;
+
+function syncfs(path: string): Promise<boolean> {
+  if (syncfsWorks === false) return Promise.resolve(false);
+  return new Promise((resolve) =>
+    execFile("sync", ["-f", path], (err) => {
+      syncfsWorks = err === null;
+      resolve(syncfsWorks);
+    }),
+  );
+}
+
+/** Flushes `files` (and with `dirs`, their directories): one syncfs per file system, else fsync each. */
+async function flush(files: string[], dirs: boolean): Promise<void> {
+  const byDev = new Map<number, string>();
+  for (const f of files) {
+    try {
+      const d = dirname(f);
+      const dev = statSync(d).dev;
+      if (!byDev.has(dev)) byDev.set(dev, d);
+    } catch {
+      /* gone meanwhile: its rename fails and says so */
+    }
+  }
+  let ok = true;
+  for (const p of byDev.values()) ok = (await syncfs(p)) && ok;
+  if (ok) return;
+  if (dirs) await mapLimit([...new Set(files.map((f) => dirname(f)))], 4, syncDir);
+  else
+    await mapLimit(files, 4, async (f) => {
+      const fh = await open(f, constants.O_RDONLY | constants.O_NOFOLLOW);
+      try {
+        await fh.sync();
+      } finally {
+        await fh.close();
+      }
+    });
+}
+
+function writeTemp(b: BatchFile, verify: boolean): void {
+  const got = verify ? crc32(b.data) >>> 0 : b.f.crc >>> 0;
+  if (got !== b.f.crc >>> 0) throw new CopyError("CHECKSUM", `arrived with CRC-32 ${got.toString(16)}, the sender's is ${(b.f.crc >>> 0).toString(16)}`);
+  let st;
+  try {
+    st = lstatSync(b.abs);
+  } catch {
+    st = null;
+  }
+  if (st?.isDirectory()) throw new CopyError("EISDIR", "the destination is a directory, a file is expected");
+  const fd = openSync(tempName(b.abs), constants.O_WRONLY | constants.O_CREAT | constants.O_TRUNC | constants.O_NOFOLLOW, 0o600);
+  try {
+    let done = 0;
+    while (done < b.data.length) done += writeSync(fd, b.data, done, b.data.length - done, done);
+    fchmodSync(fd, b.f.mode & 0o7777);
+    futimesSync(fd, b.f.mtimeMs / 1000, b.f.mtimeMs / 1000);
+  } finally {
+    closeSync(fd);
+  }
+}
+
+/** Writes a batch; per file null (done) or its error. */
+export async function writeBatch(files: BatchFile[], verify: boolean): Promise<(unknown | null)[]> {
+  const res: (unknown | null)[] = files.map(() => null);
+  const written: number[] = [];
+  files.forEach((b, k) => {
+    try {
+      writeTemp(b, verify);
+      written.push(k);
+    } catch (e) {
+      res[k] = e;
+    }
+  });
+  if (written.length === 0) return res;
+  await flush(
+    written.map((k) => tempName(files[k]!.abs)),
+    false,
+  );
+  const renamed: string[] = [];
+  for (const k of written) {
+    const abs = files[k]!.abs;
+    try {
+      renameSync(tempName(abs), abs);
+      renamed.push(abs);
+    } catch (e) {
+      res[k] = e;
+    }
+  }
+  if (renamed.length > 0) await flush(renamed, true);
+  return res;
+}
+
+/** Reads a small regular file whole (the last component followed only if `follow`). */
+export function readSmall(abs: string, follow: boolean, max: number, verify: boolean): { meta: FileMeta; data: Buffer; crc: number } {
+  const fd = openSync(abs, constants.O_RDONLY | (follow ? 0 : constants.O_NOFOLLOW));
+  try {
+    const st = fstatSync(fd);
+    if (!st.isFile()) throw new CopyError(st.isDirectory() ? "EISDIR" : "EINVAL", st.isDirectory() ? "is a directory" : "is not a regular file");
+    if (st.size > max) throw new CopyError("E2BIG", "too large for a batch");
+    const data = Buffer.allocUnsafe(st.size);
+    let got = 0;
+    while (got < st.size) {
+      const n = readSync(fd, data, got, st.size - got, got);
+      if (n === 0) break;
+      got += n;
+    }
+    const now = fstatSync(fd);
+    if (got !== st.size || now.size !== st.size || now.mtimeMs !== st.mtimeMs) throw new CopyError("SOURCE_CHANGED", "changed while it was read; rerun with --resume");
+    return { meta: { size: st.size, mode: st.mode & 0o7777, mtimeMs: st.mtimeMs }, data, crc: verify && st.size > 0 ? crc32(data) >>> 0 : 0 };
+  } finally {
+    closeSync(fd);
+  }
+}
