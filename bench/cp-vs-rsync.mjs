@@ -13,7 +13,7 @@
 // destination is on the same file system. Ours fsyncs each file before its
 // rename; rsync and the Node pipe do not flush.
 import { spawn, spawnSync } from "node:child_process";
-import { mkdtempSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync, openSync, writeSync, closeSync } from "node:fs";
+import { mkdtempSync, mkdirSync, rmdirSync, readFileSync, readdirSync, rmSync, writeFileSync, openSync, writeSync, closeSync } from "node:fs";
 import { randomBytes } from "node:crypto";
 import { join } from "node:path";
 
@@ -40,7 +40,30 @@ const bytesOf = (s) => Number(/^(\d+)/.exec(s)[1]) * { "": 1, k: 1024, m: 1024 *
 const SIZE = bytesOf(opt.size);
 const TICK = Number(spawnSync("getconf", ["CLK_TCK"], { encoding: "utf8" }).stdout.trim() || 100);
 
+/**
+ * A server's CPU seconds so far, its children included: from a cpuacct
+ * cgroup made for it when the machine has one (exited children count:
+ * rsync's daemon forks per connection and its receiver forks again, and
+ * their time never reaches the daemon's cutime), else /proc/<pid>/stat.
+ */
+const CGROOT = "/sys/fs/cgroup/cpuacct";
+const groups = new Map();
+function track(pid, name) {
+  try {
+    const g = join(CGROOT, `ardma-cpbench-${process.pid}-${name}`);
+    mkdirSync(g);
+    writeFileSync(join(g, "cgroup.procs"), String(pid));
+    groups.set(pid, g);
+  } catch (e) {
+    console.error(`# no cpuacct cgroup for ${name} (${e.message}): its exited children's CPU is counted only once reaped`);
+  }
+}
 function cpuOf(pid) {
+  const g = groups.get(pid);
+  if (g) return Number(readFileSync(join(g, "cpuacct.usage"), "utf8")) / 1e9;
+  return cpuOfProc(pid);
+}
+function cpuOfProc(pid) {
   const f = readFileSync(`/proc/${pid}/stat`, "utf8").replace(/^.*\) /s, "").split(" ");
   // fields 14..17 of stat (utime stime cutime cstime), here offset by the 2 removed
   return (Number(f[11]) + Number(f[12]) + Number(f[13]) + Number(f[14])) / TICK;
@@ -78,11 +101,20 @@ const src = join(work, "src");
 const dst = { ours: join(work, "dst-ours"), rsync: join(work, "dst-rsync"), node: join(work, "dst-node") };
 for (const d of [src, ...Object.values(dst)]) mkdirSync(d, { recursive: true });
 const kids = [];
-process.on("exit", () => {
-  for (const k of kids) k.kill("SIGKILL");
+/** Kills the servers, waits for them to exit, removes their cgroups and the work dir. */
+async function cleanup() {
+  await Promise.all(kids.map((k) => (k.exitCode !== null || k.signalCode !== null ? null : new Promise((r) => (k.once("exit", r), k.kill("SIGKILL"))))));
+  for (const g of groups.values()) {
+    try {
+      rmdirSync(g);
+    } catch (e) {
+      console.error(`# could not remove ${g}: ${e.message}`);
+    }
+  }
   rmSync(work, { recursive: true, force: true });
-});
-process.on("SIGINT", () => process.exit(130));
+}
+process.on("SIGINT", () => void cleanup().finally(() => process.exit(130)));
+try {
 
 console.error(`# work dir ${work}; creating a ${opt.size} file and ${opt.files} files of 4 KiB`);
 {
@@ -104,13 +136,16 @@ console.error(`# work dir ${work}; creating a ${opt.size} file and ${opt.files} 
 // servers
 const ours = spawn(process.execPath, [MAIN, "serve", dst.ours, "-p", "0", "--bind", "127.0.0.1", "--provider", opt.provider], { stdio: ["ignore", "pipe", "inherit"] });
 kids.push(ours);
+track(ours.pid, "ours");
 const oursPort = Number((await waitLine(ours, / on .*:(\d+)/))[1]);
 const rsyncPort = 20000 + (process.pid % 20000);
 writeFileSync(join(work, "rsyncd.conf"), `port = ${rsyncPort}\nuse chroot = no\n[d]\npath = ${dst.rsync}\nread only = false\nuid = root\ngid = root\n`);
 const rsyncd = spawn("rsync", ["--daemon", "--no-detach", `--config=${join(work, "rsyncd.conf")}`, "--address=127.0.0.1"], { stdio: ["ignore", "pipe", "inherit"] });
 kids.push(rsyncd);
+track(rsyncd.pid, "rsync");
 const nodeSrv = spawn(process.execPath, [join(root, "bench", "lib", "node-pipe.mjs"), "server", dst.node], { stdio: ["ignore", "pipe", "inherit"] });
 kids.push(nodeSrv);
+track(nodeSrv.pid, "node");
 const nodePort = Number((await waitLine(nodeSrv, /port (\d+)/))[1]);
 // the rsync daemon is up once it answers a module listing
 for (let i = 0; spawnSync("rsync", [`rsync://127.0.0.1:${rsyncPort}/`]).status !== 0; i++) {
@@ -184,5 +219,8 @@ for (const [what] of cases) {
   const o = rows.find((r) => r.what === what && r.tool === "ours");
   const s = rows.find((r) => r.what === what && r.tool === "rsync");
   if (o && s) console.log(`\n${what}: ours / rsync throughput ${(o.mbps / s.mbps).toFixed(2)}×, CPU ${(o.cpu / s.cpu).toFixed(2)}×`);
+}
+} finally {
+  await cleanup();
 }
 process.exit(0);
