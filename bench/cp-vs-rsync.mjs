@@ -11,7 +11,9 @@
 // (rsync's daemon forks one child per connection: its reaped children count).
 // The source stays in the page cache for every tool alike; every tool's
 // destination is on the same file system. Ours fsyncs each file before its
-// rename; rsync and the Node pipe do not flush.
+// rename; rsync and the Node pipe do not flush. "ours" uploads (the client
+// RDMA WRITEs into the server's ring), "ours-down" downloads the same data
+// from a read-only server (the client RDMA READs the server's ring).
 import { spawn, spawnSync } from "node:child_process";
 import { mkdtempSync, mkdirSync, rmdirSync, readFileSync, readdirSync, rmSync, writeFileSync, openSync, writeSync, closeSync } from "node:fs";
 import { randomBytes } from "node:crypto";
@@ -98,7 +100,7 @@ function median(xs) {
 
 const work = mkdtempSync(join(opt.dir, "ardma-cpbench-"));
 const src = join(work, "src");
-const dst = { ours: join(work, "dst-ours"), rsync: join(work, "dst-rsync"), node: join(work, "dst-node") };
+const dst = { ours: join(work, "dst-ours"), "ours-down": join(work, "dst-ours-down"), rsync: join(work, "dst-rsync"), node: join(work, "dst-node") };
 for (const d of [src, ...Object.values(dst)]) mkdirSync(d, { recursive: true });
 const kids = [];
 /** Kills the servers, waits for them to exit, removes their cgroups and the work dir. */
@@ -138,6 +140,11 @@ const ours = spawn(process.execPath, [MAIN, "serve", dst.ours, "-p", "0", "--bin
 kids.push(ours);
 track(ours.pid, "ours");
 const oursPort = Number((await waitLine(ours, / on .*:(\d+)/))[1]);
+// downloads (RDMA READ by the receiver) come from a second server, read-only over the source
+const oursDown = spawn(process.execPath, [MAIN, "serve", src, "--read-only", "-p", "0", "--bind", "127.0.0.1", "--provider", opt.provider], { stdio: ["ignore", "pipe", "inherit"] });
+kids.push(oursDown);
+track(oursDown.pid, "ours-down");
+const oursDownPort = Number((await waitLine(oursDown, / on .*:(\d+)/))[1]);
 const rsyncPort = 20000 + (process.pid % 20000);
 writeFileSync(join(work, "rsyncd.conf"), `port = ${rsyncPort}\nuse chroot = no\n[d]\npath = ${dst.rsync}\nread only = false\nuid = root\ngid = root\n`);
 const rsyncd = spawn("rsync", ["--daemon", "--no-detach", `--config=${join(work, "rsyncd.conf")}`, "--address=127.0.0.1"], { stdio: ["ignore", "pipe", "inherit"] });
@@ -159,6 +166,11 @@ const tools = {
     server: ours,
     big: () => [process.execPath, [MAIN, "cp", "-q", "--provider", opt.provider, ...cpArgs, join(src, "big"), `127.0.0.1:${oursPort}:`]],
     tree: () => [process.execPath, [MAIN, "cp", "-q", "-r", "--provider", opt.provider, ...cpArgs, join(src, "tree"), `127.0.0.1:${oursPort}:`]],
+  },
+  "ours-down": {
+    server: oursDown,
+    big: () => [process.execPath, [MAIN, "cp", "-q", "--provider", opt.provider, ...cpArgs, `127.0.0.1:${oursDownPort}:big`, dst["ours-down"]]],
+    tree: () => [process.execPath, [MAIN, "cp", "-q", "-r", "--provider", opt.provider, ...cpArgs, `127.0.0.1:${oursDownPort}:tree`, dst["ours-down"]]],
   },
   rsync: {
     server: rsyncd,
