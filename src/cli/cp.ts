@@ -32,6 +32,12 @@ const SMALL = 256 * 1024;
 const BATCH_FILES = 1024;
 const BATCH_BYTES = 8 * 1024 * 1024;
 const BATCHES_IN_FLIGHT = 4;
+/**
+ * Measurement switch (bench only, not an option): uploads pulled by the
+ * server with RDMA READ from this side's ring instead of pushed with RDMA
+ * WRITE into the server's. docs/performance.md compares the two.
+ */
+const PULL = process.env.ASYNC_RDMA_CP_UPLOAD === "read";
 
 const USAGE = `usage: async-rdma cp [options] src... dest
 Copies files to or from an \`async-rdma serve\` server. A remote path is
@@ -153,11 +159,14 @@ class Session {
     const rdma = await b.connect({ host: r.host, port: r.port });
     try {
       const rpc = new RpcClient(rdma);
-      const h = fromJson(await rpc.call("hello", toJson({ version: 1, chunk: opts.chunk, depth: opts.depth, verify: opts.verify })));
+      // the server may grant fewer slots, never another chunk size: this ring is big enough
+      const ring = rdma.allocLocalMr(opts.chunk * opts.depth);
+      if (PULL) rdma.share("cp-client-ring", ring, { access: "read" });
+      const h = fromJson(await rpc.call("hello", toJson({ version: 1, chunk: opts.chunk, depth: opts.depth, verify: opts.verify, pull: PULL })));
       const chunk = Number(h.chunk);
       const depth = Number(h.depth);
+      if (chunk !== opts.chunk || !(depth >= 1 && depth <= opts.depth)) throw new CopyError("PROTOCOL", `the server answered chunk ${chunk}, depth ${depth}`);
       const rmr = await rdma.openSharedMr(String(h.ring));
-      const ring = rdma.allocLocalMr(chunk * depth);
       return new Session(rdma, rpc, ring, rmr, chunk, depth, h.readOnly === true, opts, p);
     } catch (e) {
       await rdma.close().catch(() => {});
@@ -304,8 +313,9 @@ async function upload(s: Session, items: Item[]): Promise<void> {
           const view = s.local.subarray(slot * s.chunk, slot * s.chunk + n);
           const crc = await src.readChunk(k, s.chunk, view, s.opts.verify);
           const at = slot * s.chunk;
+          if (PULL) await s.rpcCall("pull", encodePut(id, slot, off, n, crc));
           // WRITE then the call, on one QP: the data is in place when `put` arrives
-          await Promise.all([s.rdma.write(s.ring.slice(at, at + n), s.rmr.slice(at, at + n)), s.rpcCall("put", encodePut(id, slot, off, n, crc))]);
+          else await Promise.all([s.rdma.write(s.ring.slice(at, at + n), s.rmr.slice(at, at + n)), s.rpcCall("put", encodePut(id, slot, off, n, crc))]);
           p.add(n);
         });
         if (await src.changed()) throw new CopyError("SOURCE_CHANGED", "the source changed during the copy; rerun with --resume");

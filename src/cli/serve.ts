@@ -9,7 +9,7 @@
  */
 import { lstat, realpath } from "node:fs/promises";
 import { RpcServer, type RpcHandler } from "../rpc/index.js";
-import type { LocalMr, Rdma, SharedMr } from "../index.js";
+import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
 import { checkLinkTarget, checkRel, CopyError, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
 import { readSmall, writeBatch, type BatchFile } from "./copy/batch.js";
@@ -46,6 +46,8 @@ interface Options {
 /** One client's state: its ring and the files it has open. */
 class Session {
   ring: LocalMr | null = null;
+  /** The client's ring, when it asked the server to pull uploads with RDMA READ. */
+  peerRing: RemoteMr | null = null;
   bytes: Uint8Array | null = null;
   share: SharedMr | null = null;
   chunk = 0;
@@ -144,6 +146,7 @@ function handlers(s: Session): Record<string, RpcHandler> {
       s.bytes = s.ring.bytes;
       // exactly the ring, to this connection only; read-only servers never let a client write
       s.share = s.rdma.share("cp-ring", s.ring, { access: s.opts.readOnly ? "read" : "write" });
+      if (o.pull === true) s.peerRing = await s.rdma.openSharedMr("cp-client-ring");
       return { version: VERSION, chunk, depth, ring: "cp-ring", readOnly: s.opts.readOnly };
     }),
     stat: json(async (o) => {
@@ -219,6 +222,23 @@ function handlers(s: Session): Record<string, RpcHandler> {
       const e = s.sinks.get(m.id);
       if (!e) throw new CopyError("PROTOCOL", "put: no such open file");
       await s.withSlot(m.slot, m.len, async (view) => {
+        try {
+          await e.sink.write(m.off, view, m.crc);
+        } catch (err) {
+          throw withPath(err, e.rel);
+        }
+      });
+    }),
+    // the alternative upload data path (measured against put: docs/performance.md):
+    // the server RDMA READs the chunk from the client's slot into its own
+    pull: h(async (p) => {
+      const m = decodePut(p);
+      const e = s.sinks.get(m.id);
+      const peer = s.peerRing;
+      if (!e || !peer || !s.ring) throw new CopyError("PROTOCOL", "pull: no such open file, or no client ring");
+      await s.withSlot(m.slot, m.len, async (view) => {
+        const at = m.slot * s.chunk;
+        await s.rdma.read(s.ring!.slice(at, at + m.len), peer.slice(at, at + m.len));
         try {
           await e.sink.write(m.off, view, m.crc);
         } catch (err) {

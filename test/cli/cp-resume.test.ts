@@ -96,7 +96,9 @@ describe(`async-rdma cp / serve: peers killed, resume, changed sources [${PROVID
     const s2 = await start(root);
     const r2 = await cp(["--resume", ...args.slice(0, -1), s2.at("f")]);
     assert.equal(r2.code, 0, r2.err + r2.out);
-    assert.ok(Number(r2.result?.skipped) >= 4 * CHUNK, `skipped ${String(r2.result?.skipped)}`);
+    // 4 chunks were acknowledged with 2 in flight: chunks may complete out of order, so the
+    // verified contiguous prefix is at least 3 of them
+    assert.ok(Number(r2.result?.skipped) >= 3 * CHUNK, `skipped ${String(r2.result?.skipped)}`);
     assert.equal(Number(r2.result?.skipped) + Number(r2.result?.bytes), data.length);
     assert.deepEqual(readFileSync(join(root, "f")), data);
     noTemps(root);
