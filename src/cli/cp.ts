@@ -13,11 +13,12 @@
  * travel inline, many per call. See docs/cp.md.
  */
 import { lstat, realpath, stat } from "node:fs/promises";
+import { realpathSync } from "node:fs";
 import { basename, join, posix } from "node:path";
 import { RpcClient, RpcError } from "../rpc/index.js";
 import { RdmaError, type LocalMr, type Rdma, type RemoteMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./copy/common.js";
-import { checkRel, CopyError, withPath } from "./copy/paths.js";
+import { checkRel, CopyError, resolveInsideSync, withPath } from "./copy/paths.js";
 import { chunkCount, chunkLen, FileSink, FileSource } from "./copy/files.js";
 import { readSmall, writeBatch, type BatchFile } from "./copy/batch.js";
 import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
@@ -225,6 +226,25 @@ interface Item {
   /** Where it goes: remote relative path (upload) or local absolute path (download). */
   to: string;
   entry: Entry;
+  /** Downloads: the local directory or file the server's tree lands in, and the entry's path below it. */
+  base?: string;
+  rel?: string;
+}
+
+/**
+ * Where a download writes `i`: its path below the destination, with the
+ * parent directories resolved through symlinks and checked to stay inside
+ * the destination, so a link left by an earlier copy from a hostile server
+ * cannot lead a later write out of it.
+ */
+function localTarget(i: Item, parents: Map<string, string>): string {
+  if (i.base === undefined || i.rel === undefined || i.rel === "") return i.to;
+  let root = parents.get("\0" + i.base);
+  if (root === undefined) {
+    root = realpathSync(i.base);
+    parents.set("\0" + i.base, root);
+  }
+  return resolveInsideSync(root, i.rel, parents);
 }
 
 // ---------------------------------------------------------------- upload
@@ -349,7 +369,7 @@ interface Ends {
   big(i: Item): Promise<void>;
 }
 
-/** The order of a copy, the same both ways: directories, links, quick check, small files in batches, large files, directory times. */
+/** The order of a copy, the same both ways: directories, quick check, small files in batches, large files, links, directory times. */
 async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void> {
   const p = s.p;
   const dirs = items.filter((i) => i.entry.type === "dir");
@@ -361,7 +381,6 @@ async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void
       if (!x.ok) p.fail(list[k]!.to, x.code, x.message);
     });
   if (dirs.length > 0) report(dirs, await ends.mkdirs(dirs, false));
-  if (links.length > 0) report(links, await ends.links(links));
   if (s.opts.resume && files.length > 0) {
     const same = await ends.same(files);
     files = files.filter((i, k) => {
@@ -402,6 +421,9 @@ async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void
       p.fail(i.to, codeOf(e), msgOf(e));
     }
   }
+  // links last: no file of this copy is ever written through a link it created
+  // (a hostile server listing `a -> /etc` and then `a/passwd`)
+  if (links.length > 0) report(links, await ends.links(links));
   if (dirs.length > 0) report(dirs, await ends.mkdirs([...dirs].reverse(), true));
   p.tick(true);
 }
@@ -439,7 +461,7 @@ async function planDownload(s: Session, srcs: string[], dest: string): Promise<I
     for (const e of entries) {
       // a server names only paths under what we asked for
       const rel = checkRel(e.path);
-      items.push({ from: rel === "" ? src : posix.join(src, rel), to: rel === "" ? base : join(base, rel), entry: e });
+      items.push({ from: rel === "" ? src : posix.join(src, rel), to: rel === "" ? base : join(base, rel), entry: e, base, rel });
     }
   }
   return items;
@@ -447,6 +469,9 @@ async function planDownload(s: Session, srcs: string[], dest: string): Promise<I
 
 async function download(s: Session, items: Item[]): Promise<void> {
   const p = s.p;
+  // targets are resolved when written (the directories of this copy are created first)
+  const parents = new Map<string, string>();
+  const at = (i: Item): string => localTarget(i, parents);
   const each = async (list: Item[], fn: (i: Item) => Promise<void>): Promise<Result[]> =>
     mapLimit(list, 1, async (i) => {
       try {
@@ -457,11 +482,11 @@ async function download(s: Session, items: Item[]): Promise<void> {
       }
     });
   await transferTree(s, items, {
-    mkdirs: (dirs, times) => each(dirs, (i) => (times ? setTimes(i.to, i.entry.mode, i.entry.mtimeMs) : makeDir(i.to, i.entry.mode | 0o700))),
-    links: (links) => each(links, (i) => makeLink(i.to, i.entry.target ?? "")),
+    mkdirs: (dirs, times) => each(dirs, async (i) => (times ? setTimes(at(i), i.entry.mode, i.entry.mtimeMs) : makeDir(at(i), i.entry.mode | 0o700))),
+    links: (links) => each(links, async (i) => makeLink(at(i), i.entry.target ?? "")),
     same: (files) =>
       mapLimit(files, 16, async (i) => {
-        const st = await lstat(i.to).catch(() => null);
+        const st = await lstat(at(i)).catch(() => null);
         return st !== null && st.isFile() && st.size === i.entry.size && Math.trunc(st.mtimeMs) === Math.trunc(i.entry.mtimeMs);
       }),
     small: async (batch) => {
@@ -472,7 +497,13 @@ async function download(s: Session, items: Item[]): Promise<void> {
         const i = byPath.get(f.path);
         if (!i) throw new CopyError("PROTOCOL", `the server sent ${JSON.stringify(f.path)}, which was not asked for`);
         if (!("crc" in f)) p.fail(i.from, f.code, f.message);
-        else todo.push({ i, b: { abs: i.to, f, data: data.get(f)! } });
+        else {
+          try {
+            todo.push({ i, b: { abs: at(i), f, data: data.get(f)! } });
+          } catch (e) {
+            p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
+          }
+        }
       }
       const errs = await writeBatch(
         todo.map((t) => t.b),
@@ -492,7 +523,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
       let sink: FileSink | null = null;
       try {
         const meta = { size: Number(o.size), mode: Number(o.mode), mtimeMs: Number(o.mtimeMs) };
-        sink = await FileSink.open(i.to, meta, s.chunk, s.opts.resume, s.opts.verify);
+        sink = await FileSink.open(at(i), meta, s.chunk, s.opts.resume, s.opts.verify);
         let first = 0;
         if (sink.existing.length > 0) {
           const theirs = (await s.call("sums", { id, count: sink.existing.length })).crcs as number[];

@@ -6,12 +6,12 @@
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, realpathSync, rmSync, symlinkSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { crc32 } from "node:zlib";
 import { randomBytes } from "node:crypto";
-import { checkLinkTarget, checkRel } from "../../src/cli/copy/paths.js";
+import { checkLinkTarget, checkRel, resolveInsideSync } from "../../src/cli/copy/paths.js";
 import { decodeBatch, decodeGet, decodePut, encodeBatch, encodeGet, encodePut, type SmallFile } from "../../src/cli/copy/protocol.js";
 import { fileDigest, FileSink, tempName } from "../../src/cli/copy/files.js";
 import { parseRemote } from "../../src/cli/cp.js";
@@ -48,6 +48,23 @@ describe("cp protocol and receiver rules", () => {
     checkLinkTarget("l", "d/e");
     assert.throws(() => checkLinkTarget("d/l", "../../x"), { code: "ESCAPE" });
     assert.throws(() => checkLinkTarget("l", "/etc"), { code: "ESCAPE" });
+  });
+
+  it("resolveInsideSync refuses a parent that leads outside through a symlink (a link left by an earlier copy)", () => {
+    const dir = mkdtempSync(join(tmpdir(), "ardma-inside-"));
+    try {
+      mkdirSync(join(dir, "root", "d"), { recursive: true });
+      mkdirSync(join(dir, "outside"));
+      symlinkSync(join(dir, "outside"), join(dir, "root", "out"));
+      symlinkSync("d", join(dir, "root", "in"));
+      const root = realpathSync(join(dir, "root"));
+      const cache = new Map<string, string>();
+      assert.throws(() => resolveInsideSync(root, "out/passwd", cache), { code: "ESCAPE" });
+      assert.equal(resolveInsideSync(root, "in/x", cache), join(root, "d", "x"));
+      assert.equal(resolveInsideSync(root, "out", cache), join(root, "out"), "the last component is not followed");
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 
   it("remote paths in scp syntax", () => {
