@@ -10,7 +10,8 @@
  *   download: call `get`: the server reads the chunk into its slot k and
  *             answers its CRC; we RDMA READ the slot, check, and write.
  * `depth` chunks are in flight, so disk and network overlap. Small files
- * travel inline, many per call. See docs/cp.md.
+ * travel the same way, many per slot and per call (a batch fills one slot).
+ * See docs/cp.md.
  */
 import { lstat, realpath, stat } from "node:fs/promises";
 import { realpathSync } from "node:fs";
@@ -20,9 +21,9 @@ import { RdmaError, type LocalMr, type Rdma, type RemoteMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./copy/common.js";
 import { checkRel, CopyError, resolveInsideSync, withPath } from "./copy/paths.js";
 import { chunkCount, chunkLen, FileSink, FileSource } from "./copy/files.js";
-import { readSmall, writeBatch, type BatchFile } from "./copy/batch.js";
+import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
 import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
-import { decodeBatch, encodeBatch, encodeGet, encodePut, fromJson, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
+import { encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
 import { Progress, type OutputMode } from "./copy/progress.js";
 
 /** Measured defaults (docs/performance.md, "cp"). */
@@ -31,8 +32,6 @@ export const DEFAULT_DEPTH = 8;
 /** Files up to this size travel inline in batches. */
 const SMALL = 256 * 1024;
 const BATCH_FILES = 1024;
-const BATCH_BYTES = 8 * 1024 * 1024;
-const BATCHES_IN_FLIGHT = 4;
 /**
  * Measurement switch (bench only, not an option): uploads pulled by the
  * server with RDMA READ from this side's ring instead of pushed with RDMA
@@ -290,27 +289,37 @@ async function upload(s: Session, items: Item[]): Promise<void> {
     links: async (links) => resultsOf(await s.call("symlinks", { links: links.map((i) => ({ path: i.to, target: i.entry.target })) })),
     same: async (files) => (await s.call("check", { files: files.map((i) => ({ path: i.to, size: i.entry.size, mtimeMs: i.entry.mtimeMs })) })).same as boolean[],
     small: async (batch) => {
-      const files: SmallFile[] = [];
-      const data: Uint8Array[] = [];
-      const ok: Item[] = [];
-      for (const i of batch) {
-        try {
-          // a file named on the command line is followed (as scp does); inside a tree, links are copied as links
-          const r = readSmall(i.from, i.entry.path === "", SMALL, s.opts.verify);
-          files.push({ path: i.to, ...r.meta, crc: r.crc });
-          data.push(r.data);
-          ok.push(i);
-        } catch (e) {
-          p.fail(i.from, codeOf(e), msgOf(withPath(e, i.from)));
+      const slot = await s.slots.acquire();
+      try {
+        const at = slot * s.chunk;
+        const files: SmallFile[] = [];
+        const ok: Item[] = [];
+        let off = 0;
+        for (const i of batch) {
+          try {
+            // read straight into the registered slot; a file named on the command line is
+            // followed (as scp does), inside a tree links are copied as links
+            const r = readSmallInto(i.from, i.entry.path === "", s.local.subarray(at + off, at + s.chunk), s.opts.verify);
+            files.push({ path: i.to, ...r.meta, crc: r.crc, off });
+            ok.push(i);
+            off += r.meta.size;
+          } catch (e) {
+            p.fail(i.from, codeOf(e), msgOf(withPath(e, i.from)));
+          }
         }
+        if (files.length === 0) return;
+        p.file = ok[ok.length - 1]!.to;
+        // the WRITE is posted before the call: on one QP the bytes are in place when it arrives
+        const wrote = off > 0 ? s.rdma.write(s.ring.slice(at, at + off), s.rmr.slice(at, at + off)) : Promise.resolve();
+        const [, reply] = await Promise.all([wrote, s.call("putSmall", { slot, files })]);
+        resultsOf(reply).forEach((x, k) => {
+          const i = ok[k]!;
+          if (x.ok) done(p, i);
+          else p.fail(i.to, x.code, x.message);
+        });
+      } finally {
+        s.slots.release(slot);
       }
-      if (files.length === 0) return;
-      const r = resultsOf(fromJson(await s.rpcCall("putSmall", encodeBatch(files, data))));
-      r.forEach((x, k) => {
-        const i = ok[k]!;
-        if (x.ok) done(p, i);
-        else p.fail(i.to, x.code, x.message);
-      });
     },
     big: async (i) => {
       const src = await FileSource.open(i.from, true);
@@ -390,13 +399,15 @@ async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void
       return false;
     });
   }
-  const small = files.filter((i) => i.entry.size <= Math.min(SMALL, s.chunk));
-  const big = files.filter((i) => i.entry.size > Math.min(SMALL, s.chunk));
+  // a batch fills at most one slot of the ring
+  const limit = Math.min(SMALL, s.chunk);
+  const small = files.filter((i) => i.entry.size <= limit);
+  const big = files.filter((i) => i.entry.size > limit);
   const batches: Item[][] = [];
   let cur: Item[] = [];
   let bytes = 0;
   for (const i of small) {
-    if (cur.length >= BATCH_FILES || (cur.length > 0 && bytes + i.entry.size > BATCH_BYTES)) {
+    if (cur.length >= BATCH_FILES || (cur.length > 0 && bytes + i.entry.size > s.chunk)) {
       batches.push(cur);
       cur = [];
       bytes = 0;
@@ -405,7 +416,7 @@ async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void
     bytes += i.entry.size;
   }
   if (cur.length > 0) batches.push(cur);
-  await mapLimit(batches, BATCHES_IN_FLIGHT, async (b) => {
+  await mapLimit(batches, s.depth, async (b) => {
     try {
       await ends.small(b);
     } catch (e) {
@@ -471,7 +482,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
   const p = s.p;
   // targets are resolved when written (the directories of this copy are created first)
   const parents = new Map<string, string>();
-  const at = (i: Item): string => localTarget(i, parents);
+  const at_ = (i: Item): string => localTarget(i, parents);
   const each = async (list: Item[], fn: (i: Item) => Promise<void>): Promise<Result[]> =>
     mapLimit(list, 1, async (i) => {
       try {
@@ -482,38 +493,48 @@ async function download(s: Session, items: Item[]): Promise<void> {
       }
     });
   await transferTree(s, items, {
-    mkdirs: (dirs, times) => each(dirs, async (i) => (times ? setTimes(at(i), i.entry.mode, i.entry.mtimeMs) : makeDir(at(i), i.entry.mode | 0o700))),
-    links: (links) => each(links, async (i) => makeLink(at(i), i.entry.target ?? "")),
+    mkdirs: (dirs, times) => each(dirs, async (i) => (times ? setTimes(at_(i), i.entry.mode, i.entry.mtimeMs) : makeDir(at_(i), i.entry.mode | 0o700))),
+    links: (links) => each(links, async (i) => makeLink(at_(i), i.entry.target ?? "")),
     same: (files) =>
       mapLimit(files, 16, async (i) => {
-        const st = await lstat(at(i)).catch(() => null);
+        const st = await lstat(at_(i)).catch(() => null);
         return st !== null && st.isFile() && st.size === i.entry.size && Math.trunc(st.mtimeMs) === Math.trunc(i.entry.mtimeMs);
       }),
     small: async (batch) => {
-      const byPath = new Map(batch.map((i) => [checkRel(i.from), i]));
-      const { files, data } = decodeBatch(await s.rpcCall("getSmall", toJson({ paths: [...byPath.keys()] })), batch.length);
-      const todo: { i: Item; b: BatchFile }[] = [];
-      for (const f of files) {
-        const i = byPath.get(f.path);
-        if (!i) throw new CopyError("PROTOCOL", `the server sent ${JSON.stringify(f.path)}, which was not asked for`);
-        if (!("crc" in f)) p.fail(i.from, f.code, f.message);
-        else {
-          try {
-            todo.push({ i, b: { abs: at(i), f, data: data.get(f)! } });
-          } catch (e) {
-            p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
+      const slot = await s.slots.acquire();
+      try {
+        const byPath = new Map(batch.map((i) => [checkRel(i.from), i]));
+        const files = smallFiles(await s.call("getSmall", { slot, paths: [...byPath.keys()] }), "files", s.chunk, batch.length);
+        const at = slot * s.chunk;
+        let end = 0;
+        for (const f of files) if ("crc" in f) end = f.off + f.size;
+        if (end > 0) await s.rdma.read(s.ring.slice(at, at + end), s.rmr.slice(at, at + end));
+        const todo: { i: Item; b: BatchFile }[] = [];
+        for (const f of files) {
+          const i = byPath.get(f.path);
+          if (!i) throw new CopyError("PROTOCOL", `the server sent ${JSON.stringify(f.path)}, which was not asked for`);
+          if (!("crc" in f)) p.fail(i.from, f.code, f.message);
+          else {
+            try {
+              todo.push({ i, b: { abs: at_(i), f, data: s.local.subarray(at + f.off, at + f.off + f.size) } });
+            } catch (e) {
+              p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
+            }
           }
         }
+        if (todo.length > 0) p.file = todo[todo.length - 1]!.i.from;
+        const errs = await writeBatch(
+          todo.map((t) => t.b),
+          s.opts.verify,
+        );
+        errs.forEach((e, k) => {
+          const { i } = todo[k]!;
+          if (e === null) done(p, i);
+          else p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
+        });
+      } finally {
+        s.slots.release(slot);
       }
-      const errs = await writeBatch(
-        todo.map((t) => t.b),
-        s.opts.verify,
-      );
-      errs.forEach((e, k) => {
-        const { i } = todo[k]!;
-        if (e === null) done(p, i);
-        else p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
-      });
     },
     big: async (i) => {
       p.file = i.from;
@@ -523,7 +544,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
       let sink: FileSink | null = null;
       try {
         const meta = { size: Number(o.size), mode: Number(o.mode), mtimeMs: Number(o.mtimeMs) };
-        sink = await FileSink.open(at(i), meta, s.chunk, s.opts.resume, s.opts.verify);
+        sink = await FileSink.open(at_(i), meta, s.chunk, s.opts.resume, s.opts.verify);
         let first = 0;
         if (sink.existing.length > 0) {
           const theirs = (await s.call("sums", { id, count: sink.existing.length })).crcs as number[];

@@ -12,10 +12,10 @@ import { RpcServer, type RpcHandler } from "../rpc/index.js";
 import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
 import { checkLinkTarget, checkRel, CopyError, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
-import { readSmall, writeBatch, type BatchFile } from "./copy/batch.js";
+import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
 import { chunkLen, FileSink, FileSource } from "./copy/files.js";
 import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
-import { arr, decodeBatch, decodeGet, decodePut, encodeBatch, failure, fromJson, int, num, str, toJson, VERSION, type Result, type SmallResult } from "./copy/protocol.js";
+import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str, toJson, VERSION, type Result, type SmallResult } from "./copy/protocol.js";
 
 const USAGE = `usage: async-rdma serve [dir] [options]
 Serves the directory tree \`dir\` (default: the current directory) to \`async-rdma cp\`.
@@ -36,7 +36,6 @@ const MAX_DEPTH = 64;
 const MAX_RING = 256 * 1024 * 1024;
 const MAX_OPEN = 256;
 const MAX_BATCH_FILES = 10_000;
-const MAX_BATCH_BYTES = 32 * 1024 * 1024;
 
 interface Options {
   root: string;
@@ -263,31 +262,35 @@ function handlers(s: Session): Record<string, RpcHandler> {
       await e?.sink.abort();
       return {};
     }),
-    putSmall: h(async (p) => {
+    putSmall: json(async (o) => {
       s.writable();
-      const { files, data } = decodeBatch(p, MAX_BATCH_FILES);
+      const slot = int(o, "slot", 0, 0xffffffff);
+      const files = smallFiles(o, "files", s.chunk, MAX_BATCH_FILES);
       const parents = new Map<string, string>();
       const results: Result[] = files.map(() => ({ ok: true }));
-      const todo: { k: number; b: BatchFile }[] = [];
-      files.forEach((f, k) => {
-        try {
-          if (!("crc" in f)) throw new CopyError("PROTOCOL", "an upload entry without data");
-          const abs = resolveInsideSync(root, checkRel(f.path), parents);
-          if (abs === root) throw new CopyError("EISDIR", "the destination is the served directory");
-          todo.push({ k, b: { abs, f, data: data.get(f)! } });
-        } catch (e) {
-          results[k] = failure(withPath(e, f.path));
-        }
+      // the bytes are in our slot (the client WROTE them before this call, on the same QP)
+      await s.withSlot(slot, s.chunk, async (view) => {
+        const todo: { k: number; b: BatchFile }[] = [];
+        files.forEach((f, k) => {
+          try {
+            if (!("crc" in f)) throw new CopyError("PROTOCOL", "an upload entry without data");
+            const abs = resolveInsideSync(root, checkRel(f.path), parents);
+            if (abs === root) throw new CopyError("EISDIR", "the destination is the served directory");
+            todo.push({ k, b: { abs, f, data: view.subarray(f.off, f.off + f.size) } });
+          } catch (e) {
+            results[k] = failure(withPath(e, f.path));
+          }
+        });
+        const errs = await writeBatch(
+          todo.map((t) => t.b),
+          s.verify,
+        );
+        errs.forEach((e, j) => {
+          const t = todo[j]!;
+          if (e !== null) results[t.k] = failure(withPath(e, t.b.f.path));
+        });
       });
-      const errs = await writeBatch(
-        todo.map((t) => t.b),
-        s.verify,
-      );
-      errs.forEach((e, j) => {
-        const t = todo[j]!;
-        if (e !== null) results[t.k] = failure(withPath(e, t.b.f.path));
-      });
-      return toJson({ results });
+      return { results };
     }),
     openRead: json(async (o) => {
       const { rel, abs } = await where(s, o.path);
@@ -333,28 +336,29 @@ function handlers(s: Session): Record<string, RpcHandler> {
         await e.src.close();
       }
     }),
-    getSmall: h(async (p) => {
-      const o = fromJson(p);
+    getSmall: json(async (o) => {
+      const slot = int(o, "slot", 0, 0xffffffff);
       const paths = o.paths;
       if (!Array.isArray(paths) || paths.length > MAX_BATCH_FILES) throw new CopyError("PROTOCOL", `getSmall: at most ${MAX_BATCH_FILES} paths`);
       const parents = new Map<string, string>();
-      let total = 0;
-      const list: SmallResult[] = [];
-      const bufs: Uint8Array[] = [];
-      for (const path of paths) {
-        let rel = String(path);
-        try {
-          rel = checkRel(path);
-          const r = readSmall(resolveInsideSync(root, rel, parents), false, Math.min(s.chunk, MAX_BATCH_BYTES - total), s.verify);
-          total += r.meta.size;
-          list.push({ path: rel, ...r.meta, crc: r.crc });
-          bufs.push(r.data);
-        } catch (e) {
-          const f = failure(withPath(e, rel));
-          list.push({ path: rel, code: f.code, message: f.message });
+      const files: SmallResult[] = [];
+      // read into our slot, back to back; the client READs them after the answer
+      await s.withSlot(slot, s.chunk, async (view) => {
+        let off = 0;
+        for (const path of paths) {
+          let rel = String(path);
+          try {
+            rel = checkRel(path);
+            const r = readSmallInto(resolveInsideSync(root, rel, parents), false, view.subarray(off), s.verify);
+            files.push({ path: rel, ...r.meta, crc: r.crc, off });
+            off += r.meta.size;
+          } catch (e) {
+            const f = failure(withPath(e, rel));
+            files.push({ path: rel, code: f.code, message: f.message });
+          }
         }
-      }
-      return encodeBatch(list, bufs);
+      });
+      return { files };
     }),
   };
 }

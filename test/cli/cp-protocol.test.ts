@@ -1,6 +1,7 @@
 /**
  * The cp protocol's codecs and the receiver's rules, in-process: each binary
- * message kind round-trips and refuses what is malformed; peer paths are
+ * message kind round-trips and refuses what is malformed, a slot's list of
+ * small files is checked; peer paths are
  * confined; a chunk with a wrong CRC, a digest that differs or a missing
  * chunk never reaches the final name.
  */
@@ -12,7 +13,7 @@ import { join } from "node:path";
 import { crc32 } from "node:zlib";
 import { randomBytes } from "node:crypto";
 import { checkLinkTarget, checkRel, resolveInsideSync } from "../../src/cli/copy/paths.js";
-import { decodeBatch, decodeGet, decodePut, encodeBatch, encodeGet, encodePut, type SmallFile } from "../../src/cli/copy/protocol.js";
+import { decodeGet, decodePut, encodeGet, encodePut, smallFiles } from "../../src/cli/copy/protocol.js";
 import { fileDigest, FileSink, tempName } from "../../src/cli/copy/files.js";
 import { parseRemote } from "../../src/cli/cp.js";
 
@@ -24,19 +25,18 @@ describe("cp protocol and receiver rules", () => {
     assert.throws(() => decodeGet(new Uint8Array(21)), { code: "PROTOCOL" });
   });
 
-  it("a batch round-trips; truncated, overlong and trailing data are refused", () => {
-    const a: SmallFile = { path: "a", size: 3, mode: 0o644, mtimeMs: 1000.5, crc: crc32("abc") };
-    const b: SmallFile = { path: "d/b", size: 0, mode: 0o600, mtimeMs: 2, crc: 0 };
-    const enc = encodeBatch([a, { path: "gone", code: "ENOENT", message: "no" }, b], [new TextEncoder().encode("abc"), new Uint8Array(0)]);
-    const { files, data } = decodeBatch(enc, 10);
-    assert.equal(files.length, 3);
-    assert.deepEqual(files[0], a);
-    assert.equal(new TextDecoder().decode(data.get(files[0] as SmallFile)), "abc");
-    assert.deepEqual(files[1], { path: "gone", code: "ENOENT", message: "no" });
-    assert.throws(() => decodeBatch(enc.subarray(0, enc.length - 1), 10), { code: "PROTOCOL" });
-    assert.throws(() => decodeBatch(new Uint8Array([...enc, 0]), 10), { code: "PROTOCOL" });
-    assert.throws(() => decodeBatch(enc, 2), { code: "PROTOCOL" });
-    assert.throws(() => decodeBatch(new Uint8Array([0, 0, 0, 9, 1]), 10), { code: "PROTOCOL" });
+  it("a slot's small files: inside the slot, in order, never overlapping; errors pass through", () => {
+    const ok = { path: "a", size: 3, mode: 0o644, mtimeMs: 1000.5, crc: crc32("abc"), off: 0 };
+    const list = smallFiles({ files: [ok, { path: "gone", code: "ENOENT", message: "no" }, { ...ok, path: "b", off: 3, size: 5 }] }, "files", 8, 10);
+    assert.equal(list.length, 3);
+    assert.deepEqual(list[0], ok);
+    assert.deepEqual(list[1], { path: "gone", code: "ENOENT", message: "no" });
+    assert.throws(() => smallFiles({ files: [{ ...ok, off: 6 }] }, "files", 8, 10), { code: "PROTOCOL" }); // leaves the slot
+    assert.throws(() => smallFiles({ files: [ok, { ...ok, off: 2 }] }, "files", 8, 10), { code: "PROTOCOL" }); // overlaps
+    assert.throws(() => smallFiles({ files: [ok, ok] }, "files", 8, 1), { code: "PROTOCOL" }); // too many
+    assert.throws(() => smallFiles({ files: [{ ...ok, size: -1 }] }, "files", 8, 10), { code: "PROTOCOL" });
+    assert.throws(() => smallFiles({ files: [{ ...ok, path: 5 }] }, "files", 8, 10), { code: "PROTOCOL" });
+    assert.throws(() => smallFiles({ files: "x" }, "files", 8, 10), { code: "PROTOCOL" });
   });
 
   it("peer paths: relative, no '..', no absolute; link targets stay inside", () => {

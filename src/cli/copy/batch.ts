@@ -7,13 +7,14 @@
  *   through libuv's 4-thread pool per call (open, write, chmod, utimes,
  *   close, rename…) costs more than the call itself;
  * - the flush is one syncfs(2) per file system for the whole batch (through
- *   `sync -f`, coreutils), then the renames, then one more syncfs for the
- *   directory entries. Measured here: fsync costs ~0.7 ms per file at any
+ *   `sync -f`, coreutils, run by one long-lived shell), then the renames,
+ *   then one more syncfs for the directory entries. Measured here: fsync costs ~0.7 ms per file at any
  *   concurrency, so 10,000 files spent ~7 s flushing one by one; two syncfs
  *   per 512 files cost a few ms. When `sync -f` is not available, every
  *   file is fsynced (and its directory) instead.
  */
-import { execFile } from "node:child_process";
+import { spawn, type ChildProcess } from "node:child_process";
+import type { Socket } from "node:net";
 import { closeSync, constants, fchmodSync, fstatSync, futimesSync, lstatSync, openSync, readSync, renameSync, statSync, writeSync } from "node:fs";
 import { open } from "node:fs/promises";
 import { dirname } from "node:path";
@@ -29,24 +30,75 @@ export interface BatchFile {
   data: Uint8Array;
 }
 
-let syncfsWorks: boolean | null = null;
+/**
+ * syncfs through one long-lived shell per process (`sync -f` per request):
+ * spawning `sync` from node forks the whole node process, ~35 ms each here.
+ * Paths go one per line; a path with a newline, or a shell that died, falls
+ * back to fsync.
+ */
+class Flusher {
+  private sh: ChildProcess | null = null;
+  private broken = false;
+  private readonly waiting: ((ok: boolean) => void)[] = [];
+  private buf = "";
+
+  private start(): ChildProcess {
+    const sh = spawn("sh", ["-c", 'while IFS= read -r p; do if sync -f "$p" 2>/dev/null; then echo ok; else echo fail; fi; done'], { stdio: ["pipe", "pipe", "ignore"] });
+    sh.on("error", () => this.fail());
+    sh.on("exit", () => this.fail());
+    sh.stdin!.on("error", () => this.fail());
+    sh.stdout!.setEncoding("utf8");
+    sh.stdout!.on("data", (d: string) => {
+      this.buf += d;
+      let n;
+      while ((n = this.buf.indexOf("\n")) >= 0) {
+        const line = this.buf.slice(0, n);
+        this.buf = this.buf.slice(n + 1);
+        this.waiting.shift()?.(line === "ok");
+      }
+      this.idle();
+    });
+    return sh;
+  }
+
+  /** Idle: the shell does not keep the process alive. */
+  private idle(): void {
+    if (this.waiting.length > 0 || !this.sh) return;
+    this.sh.unref();
+    (this.sh.stdout as Socket).unref();
+    (this.sh.stdin as unknown as Socket).unref();
+  }
+
+  private fail(): void {
+    this.broken = true;
+    this.sh = null;
+    for (const w of this.waiting.splice(0)) w(false);
+  }
+
+  syncfs(path: string): Promise<boolean> {
+    if (this.broken || path.includes("\n")) return Promise.resolve(false);
+    this.sh ??= this.start();
+    this.sh.ref();
+    (this.sh.stdout as Socket).ref();
+    (this.sh.stdin as unknown as Socket).ref();
+    return new Promise((resolve) => {
+      this.waiting.push(resolve);
+      this.sh!.stdin!.write(path + "\n");
+    });
+  }
+}
+
+const flusher = new Flusher();
 
 function syncfs(path: string): Promise<boolean> {
-  if (syncfsWorks === false) return Promise.resolve(false);
-  return new Promise((resolve) =>
-    execFile("sync", ["-f", path], (err) => {
-      syncfsWorks = err === null;
-      resolve(syncfsWorks);
-    }),
-  );
+  return flusher.syncfs(path);
 }
 
 /** Flushes `files` (and with `dirs`, their directories): one syncfs per file system, else fsync each. */
 async function flush(files: string[], dirs: boolean): Promise<void> {
   const byDev = new Map<number, string>();
-  for (const f of files) {
+  for (const d of new Set(files.map((f) => dirname(f)))) {
     try {
-      const d = dirname(f);
       const dev = statSync(d).dev;
       if (!byDev.has(dev)) byDev.set(dev, d);
     } catch {
@@ -120,23 +172,26 @@ export async function writeBatch(files: BatchFile[], verify: boolean): Promise<(
   return res;
 }
 
-/** Reads a small regular file whole (the last component followed only if `follow`). */
-export function readSmall(abs: string, follow: boolean, max: number, verify: boolean): { meta: FileMeta; data: Buffer; crc: number } {
+/**
+ * Reads a small regular file whole into `into` (the last component followed
+ * only if `follow`); a file larger than `into` is E2BIG (or, when it was
+ * planned smaller, SOURCE_CHANGED).
+ */
+export function readSmallInto(abs: string, follow: boolean, into: Uint8Array, verify: boolean): { meta: FileMeta; crc: number } {
   const fd = openSync(abs, constants.O_RDONLY | (follow ? 0 : constants.O_NOFOLLOW));
   try {
     const st = fstatSync(fd);
     if (!st.isFile()) throw new CopyError(st.isDirectory() ? "EISDIR" : "EINVAL", st.isDirectory() ? "is a directory" : "is not a regular file");
-    if (st.size > max) throw new CopyError("E2BIG", "too large for a batch");
-    const data = Buffer.allocUnsafe(st.size);
+    if (st.size > into.length) throw new CopyError("SOURCE_CHANGED", `grew to ${st.size} bytes since it was listed; rerun with --resume`);
     let got = 0;
     while (got < st.size) {
-      const n = readSync(fd, data, got, st.size - got, got);
+      const n = readSync(fd, into, got, st.size - got, got);
       if (n === 0) break;
       got += n;
     }
     const now = fstatSync(fd);
     if (got !== st.size || now.size !== st.size || now.mtimeMs !== st.mtimeMs) throw new CopyError("SOURCE_CHANGED", "changed while it was read; rerun with --resume");
-    return { meta: { size: st.size, mode: st.mode & 0o7777, mtimeMs: st.mtimeMs }, data, crc: verify && st.size > 0 ? crc32(data) >>> 0 : 0 };
+    return { meta: { size: st.size, mode: st.mode & 0o7777, mtimeMs: st.mtimeMs }, crc: verify && st.size > 0 ? crc32(into.subarray(0, st.size)) >>> 0 : 0 };
   } finally {
     closeSync(fd);
   }

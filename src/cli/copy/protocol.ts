@@ -19,16 +19,18 @@
  *           it is in place before the call arrives)
  *   finish  {id, digest}                       → {}
  *   abort   {id}                               → {}
- *   putSmall BATCH                             → {results}
+ *   putSmall {slot, files: SmallFile[]}       → {results}
+ *           the client has WRITTEN the files' bytes into slot `slot`, each at its `off`
  *   openRead {path}                            → {id, size, mode, mtimeMs}   (download)
  *   sums    {id, count}                        → {crcs}
  *   get     GET (20 bytes): u32 id, u32 slot, f64 offset, u32 length → u32 crc
  *           the server has read the chunk into slot `slot`; the client READs it
  *   closeRead {id}                             → {changed, digest}
- *   getSmall {paths}                           → BATCH
+ *   getSmall {slot, paths}                     → {files: (SmallFile | {path, code, message})[]}
+ *           the server has read the files into slot `slot`; the client READs them
  *
- * BATCH: u32 n (JSON length), JSON [{path, size, mode, mtimeMs, crc} | {path, code, message}],
- * then the data of the ok files back to back.
+ * SmallFile: {path, size, mode, mtimeMs, crc, off}: `size` bytes at `off` in
+ * the slot; a slot's files never overlap and stay inside it.
  */
 import { CopyError } from "./paths.js";
 
@@ -52,6 +54,8 @@ export interface SmallFile {
   mode: number;
   mtimeMs: number;
   crc: number;
+  /** Where its bytes are in the slot. */
+  off: number;
 }
 export type SmallResult = SmallFile | { path: string; code: string; message: string };
 export type Result = { ok: true; skipped?: boolean } | { ok: false; code: string; message: string };
@@ -132,51 +136,25 @@ export function decodeGet(b: Uint8Array): { id: number; slot: number; off: numbe
   return { id: v.getUint32(0), slot: v.getUint32(4), off: v.getFloat64(8), len: v.getUint32(16) };
 }
 
-export function encodeBatch(files: SmallResult[], data: Uint8Array[]): Uint8Array {
-  const head = toJson(files);
-  let n = 4 + head.length;
-  for (const d of data) n += d.length;
-  const out = new Uint8Array(n);
-  new DataView(out.buffer).setUint32(0, head.length);
-  out.set(head, 4);
-  let o = 4 + head.length;
-  for (const d of data) {
-    out.set(d, o);
-    o += d.length;
-  }
-  return out;
-}
-
-/** The batch's entries, each ok file with its bytes (a view into `b`). */
-export function decodeBatch(b: Uint8Array, maxFiles: number): { files: SmallResult[]; data: Map<SmallFile, Uint8Array> } {
-  if (b.length < 4) throw new CopyError("PROTOCOL", "batch: truncated");
-  const n = new DataView(b.buffer, b.byteOffset, b.byteLength).getUint32(0);
-  if (4 + n > b.length) throw new CopyError("PROTOCOL", "batch: header longer than the message");
-  let list: unknown;
-  try {
-    list = JSON.parse(dec.decode(b.subarray(4, 4 + n)));
-  } catch {
-    throw new CopyError("PROTOCOL", "batch: header is not JSON");
-  }
-  if (!Array.isArray(list) || list.length > maxFiles) throw new CopyError("PROTOCOL", `batch: at most ${maxFiles} files`);
-  const files: SmallResult[] = [];
-  const data = new Map<SmallFile, Uint8Array>();
-  let o = 4 + n;
-  for (const x of list as Record<string, unknown>[]) {
-    if (x === null || typeof x !== "object") throw new CopyError("PROTOCOL", "batch: an entry is not an object");
+/**
+ * A slot's list of small files (from the peer): every entry well-formed,
+ * every ok file inside the slot's `slotBytes` and after the previous one.
+ */
+export function smallFiles(o: Record<string, unknown>, k: string, slotBytes: number, max: number): SmallResult[] {
+  const out: SmallResult[] = [];
+  let end = 0;
+  for (const x of arr(o, k, max)) {
     const path = str(x, "path");
     if (typeof x.code === "string") {
-      files.push({ path, code: x.code, message: str(x, "message") });
+      out.push({ path, code: x.code, message: str(x, "message") });
       continue;
     }
-    const f: SmallFile = { path, size: int(x, "size", 0, b.length), mode: int(x, "mode", 0, 0o7777), mtimeMs: num(x, "mtimeMs", -1e15, 1e15), crc: int(x, "crc", 0, 0xffffffff) };
-    if (o + f.size > b.length) throw new CopyError("PROTOCOL", "batch: data shorter than the sizes say");
-    data.set(f, b.subarray(o, o + f.size));
-    o += f.size;
-    files.push(f);
+    const f: SmallFile = { path, size: int(x, "size", 0, slotBytes), mode: int(x, "mode", 0, 0o7777), mtimeMs: num(x, "mtimeMs", -1e15, 1e15), crc: int(x, "crc", 0, 0xffffffff), off: int(x, "off", 0, slotBytes) };
+    if (f.off < end || f.off + f.size > slotBytes) throw new CopyError("PROTOCOL", `${k}: ${JSON.stringify(path)} at ${f.off}+${f.size} overlaps another file or leaves the slot`);
+    end = f.off + f.size;
+    out.push(f);
   }
-  if (o !== b.length) throw new CopyError("PROTOCOL", "batch: trailing bytes");
-  return { files, data };
+  return out;
 }
 
 /** An error as a Result (for the per-file answers of batch calls). */
