@@ -90,8 +90,32 @@ class Flusher {
 
 const flusher = new Flusher();
 
-function syncfs(path: string): Promise<boolean> {
-  return flusher.syncfs(path);
+/**
+ * Group commit: while a syncfs of a file system runs, the requests for it
+ * that arrive wait for the next one, which serves them all (a syncfs that
+ * started before a file was written does not cover it).
+ */
+const groups = new Map<number, { running: boolean; next: ((ok: boolean) => void)[] }>();
+
+/** syncfs of the file system `dev`, which holds `path`. */
+function syncfs(dev: number, path: string): Promise<boolean> {
+  let g = groups.get(dev);
+  if (!g) groups.set(dev, (g = { running: false, next: [] }));
+  const group = g;
+  return new Promise((resolve) => {
+    group.next.push(resolve);
+    const run = (): void => {
+      if (group.running || group.next.length === 0) return;
+      const served = group.next.splice(0);
+      group.running = true;
+      void flusher.syncfs(path).then((ok) => {
+        group.running = false;
+        for (const r of served) r(ok);
+        run();
+      });
+    };
+    run();
+  });
 }
 
 /** Flushes `files` (and with `dirs`, their directories): one syncfs per file system, else fsync each. */
@@ -106,7 +130,7 @@ async function flush(files: string[], dirs: boolean): Promise<void> {
     }
   }
   let ok = true;
-  for (const p of byDev.values()) ok = (await syncfs(p)) && ok;
+  for (const [dev, p] of byDev) ok = (await syncfs(dev, p)) && ok;
   if (ok) return;
   if (dirs) await mapLimit([...new Set(files.map((f) => dirname(f)))], 4, syncDir);
   else
