@@ -13,7 +13,9 @@
 // destination is on the same file system. Ours fsyncs each file before its
 // rename; rsync and the Node pipe do not flush. "ours" uploads (the client
 // RDMA WRITEs into the server's ring), "ours-down" downloads the same data
-// from a read-only server (the client RDMA READs the server's ring).
+// from a read-only server (the client RDMA READs the server's ring);
+// "ours-pull" uploads with the server READing the client's ring
+// (ASYNC_RDMA_CP_UPLOAD=read, a measurement switch).
 import { spawn, spawnSync } from "node:child_process";
 import { mkdtempSync, mkdirSync, rmdirSync, readFileSync, readdirSync, rmSync, writeFileSync, openSync, writeSync, closeSync } from "node:fs";
 import { randomBytes } from "node:crypto";
@@ -85,9 +87,9 @@ function waitLine(child, re) {
 }
 
 /** Runs a client under /usr/bin/time; { wall, cpu } (its user + sys). */
-function timed(cmd, args) {
+function timed(cmd, args, env = {}) {
   const out = join(work, "time.txt");
-  const r = spawnSync("/usr/bin/time", ["-f", "%e %U %S", "-o", out, cmd, ...args], { encoding: "utf8", stdio: ["ignore", "pipe", "pipe"] });
+  const r = spawnSync("/usr/bin/time", ["-f", "%e %U %S", "-o", out, cmd, ...args], { encoding: "utf8", stdio: ["ignore", "pipe", "pipe"], env: { ...process.env, ...env } });
   if (r.status !== 0) throw new Error(`${cmd} ${args.join(" ")} failed (${r.status}):\n${r.stdout}\n${r.stderr}`);
   const [e, u, s] = readFileSync(out, "utf8").trim().split("\n").pop().split(" ").map(Number);
   return { wall: e, cpu: u + s };
@@ -100,7 +102,7 @@ function median(xs) {
 
 const work = mkdtempSync(join(opt.dir, "ardma-cpbench-"));
 const src = join(work, "src");
-const dst = { ours: join(work, "dst-ours"), "ours-down": join(work, "dst-ours-down"), rsync: join(work, "dst-rsync"), node: join(work, "dst-node") };
+const dst = { "rsync-fsync": join(work, "dst-rsync-fsync"), ours: join(work, "dst-ours"), "ours-pull": join(work, "dst-ours-pull"), "ours-down": join(work, "dst-ours-down"), rsync: join(work, "dst-rsync"), node: join(work, "dst-node") };
 for (const d of [src, ...Object.values(dst)]) mkdirSync(d, { recursive: true });
 const kids = [];
 /** Kills the servers, waits for them to exit, removes their cgroups and the work dir. */
@@ -146,7 +148,7 @@ kids.push(oursDown);
 track(oursDown.pid, "ours-down");
 const oursDownPort = Number((await waitLine(oursDown, / on .*:(\d+)/))[1]);
 const rsyncPort = 20000 + (process.pid % 20000);
-writeFileSync(join(work, "rsyncd.conf"), `port = ${rsyncPort}\nuse chroot = no\n[d]\npath = ${dst.rsync}\nread only = false\nuid = root\ngid = root\n`);
+writeFileSync(join(work, "rsyncd.conf"), `port = ${rsyncPort}\nuse chroot = no\n[d]\npath = ${dst.rsync}\nread only = false\nuid = root\ngid = root\n[f]\npath = ${dst["rsync-fsync"]}\nread only = false\nuid = root\ngid = root\n`);
 const rsyncd = spawn("rsync", ["--daemon", "--no-detach", `--config=${join(work, "rsyncd.conf")}`, "--address=127.0.0.1"], { stdio: ["ignore", "pipe", "inherit"] });
 kids.push(rsyncd);
 track(rsyncd.pid, "rsync");
@@ -167,6 +169,13 @@ const tools = {
     big: () => [process.execPath, [MAIN, "cp", "-q", "--provider", opt.provider, ...cpArgs, join(src, "big"), `127.0.0.1:${oursPort}:`]],
     tree: () => [process.execPath, [MAIN, "cp", "-q", "-r", "--provider", opt.provider, ...cpArgs, join(src, "tree"), `127.0.0.1:${oursPort}:`]],
   },
+  // uploads pulled by the server with RDMA READ (the measured alternative to WRITE); same server as "ours", own subdirectory
+  "ours-pull": {
+    server: ours,
+    env: { ASYNC_RDMA_CP_UPLOAD: "read" },
+    big: () => [process.execPath, [MAIN, "cp", "-q", "--provider", opt.provider, ...cpArgs, join(src, "big"), `127.0.0.1:${oursPort}:pull/`]],
+    tree: () => [process.execPath, [MAIN, "cp", "-q", "-r", "--provider", opt.provider, ...cpArgs, join(src, "tree"), `127.0.0.1:${oursPort}:pull/`]],
+  },
   "ours-down": {
     server: oursDown,
     big: () => [process.execPath, [MAIN, "cp", "-q", "--provider", opt.provider, ...cpArgs, `127.0.0.1:${oursDownPort}:big`, dst["ours-down"]]],
@@ -176,6 +185,12 @@ const tools = {
     server: rsyncd,
     big: () => ["rsync", ["-pt", "--whole-file", join(src, "big"), `rsync://127.0.0.1:${rsyncPort}/d/`]],
     tree: () => ["rsync", ["-rlpt", "--whole-file", join(src, "tree"), `rsync://127.0.0.1:${rsyncPort}/d/`]],
+  },
+  // rsync flushing every file it writes (--fsync, rsync ≥ 3.2.4): the durability ours gives
+  "rsync-fsync": {
+    server: rsyncd,
+    big: () => ["rsync", ["-pt", "--whole-file", "--fsync", join(src, "big"), `rsync://127.0.0.1:${rsyncPort}/f/`]],
+    tree: () => ["rsync", ["-rlpt", "--whole-file", "--fsync", join(src, "tree"), `rsync://127.0.0.1:${rsyncPort}/f/`]],
   },
   node: {
     server: nodeSrv,
@@ -198,17 +213,22 @@ for (const [what, bytes] of cases) {
       if (!t[what]) continue;
       rmSync(dst[name], { recursive: true, force: true });
       mkdirSync(dst[name]);
+      if (name === "ours-pull") {
+        rmSync(join(dst.ours, "pull"), { recursive: true, force: true });
+        mkdirSync(join(dst.ours, "pull"));
+      }
       spawnSync("sync"); // the previous run's write-back does not land in this one
       const before = cpuOf(t.server.pid);
       const [cmd, args] = t[what]();
-      const c = timed(cmd, args);
+      const c = timed(cmd, args, t.env);
       const server = cpuOf(t.server.pid) - before;
       const r = { what, tool: name, run, seconds: c.wall, mbps: bytes / c.wall / 1e6, cpuClient: c.cpu, cpuServer: server, cpu: c.cpu + server };
       results.push(r);
       console.error(JSON.stringify(r));
       if (run === 0) {
         // an honest bench copies for real: compare once
-        const got = name === "node" ? join(dst.node, readdirSync(dst.node)[0]) : join(dst[name], what === "big" ? "big" : "tree");
+        const into = name === "ours-pull" ? join(dst.ours, "pull") : dst[name];
+        const got = name === "node" ? join(dst.node, readdirSync(dst.node)[0]) : join(into, what === "big" ? "big" : "tree");
         const cmp = spawnSync(what === "big" ? "cmp" : "diff", what === "big" ? [join(src, "big"), got] : ["-r", join(src, "tree"), got]);
         if (cmp.status !== 0) throw new Error(`${name} ${what}: the copy differs from the source`);
       }

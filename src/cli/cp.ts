@@ -135,6 +135,16 @@ function fatal(e: unknown): boolean {
   return e instanceof RdmaError || (e instanceof RpcError && e.code === "PROTOCOL");
 }
 
+/**
+ * The error to report once the connection is gone: a chunk task that was
+ * touching the ring when it was released fails with a TypeError (detached
+ * memory); the cause is the lost connection.
+ */
+function lost(rdma: Rdma, e: unknown): unknown {
+  if (e instanceof RdmaError || !rdma.closed) return e;
+  return new RdmaError("CONNECTION_CLOSED", "the connection to the server closed");
+}
+
 class Session {
   readonly slots: Slots;
   readonly local: Uint8Array;
@@ -420,7 +430,7 @@ async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void
     try {
       await ends.small(b);
     } catch (e) {
-      if (fatal(e)) throw e;
+      if (fatal(e) || s.rdma.closed) throw lost(s.rdma, e);
       for (const i of b) p.fail(i.to, codeOf(e), msgOf(e));
     }
   });
@@ -428,7 +438,7 @@ async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void
     try {
       await ends.big(i);
     } catch (e) {
-      if (fatal(e)) throw e;
+      if (fatal(e) || s.rdma.closed) throw lost(s.rdma, e);
       p.fail(i.to, codeOf(e), msgOf(e));
     }
   }
@@ -627,7 +637,8 @@ export async function cp(args: string[]): Promise<number> {
   try {
     if (up) await upload(s, await planUpload(s, paths, remote.path));
     else await download(s, await planDownload(s, sr.map((x) => x!.path), dest));
-  } catch (e) {
+  } catch (e0) {
+    const e = lost(s.rdma, e0);
     const resumable = e instanceof RdmaError ? "; rerun with --resume to continue" : "";
     p.fail(p.file || `${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + resumable);
   } finally {
