@@ -108,11 +108,21 @@ const kids = [];
 /** Kills the servers, waits for them to exit, removes their cgroups and the work dir. */
 async function cleanup() {
   await Promise.all(kids.map((k) => (k.exitCode !== null || k.signalCode !== null ? null : new Promise((r) => (k.once("exit", r), k.kill("SIGKILL"))))));
+  // a server's children (ours keeps a shell for syncfs) leave its group a moment after it:
+  // retry on the next turns of the event loop, for at most 10 s
+  const t0 = performance.now();
   for (const g of groups.values()) {
-    try {
-      rmdirSync(g);
-    } catch (e) {
-      console.error(`# could not remove ${g}: ${e.message}`);
+    for (;;) {
+      try {
+        rmdirSync(g);
+        break;
+      } catch (e) {
+        if (e.code !== "EBUSY" || performance.now() - t0 > 10_000) {
+          console.error(`# could not remove ${g}: ${e.message}`);
+          break;
+        }
+        await new Promise((r) => setImmediate(r));
+      }
     }
   }
   rmSync(work, { recursive: true, force: true });
