@@ -34,6 +34,9 @@ const MAX_CHUNK = 16 * 1024 * 1024;
 const MIN_CHUNK = 4096;
 const MAX_DEPTH = 64;
 const MAX_RING = 256 * 1024 * 1024;
+/** Ring bytes of all connections together: past it a hello is refused (EBUSY), the client may retry later. */
+const MAX_TOTAL_RING = 1024 * 1024 * 1024;
+let ringBytes = 0;
 const MAX_OPEN = 256;
 const MAX_BATCH_FILES = 10_000;
 
@@ -52,6 +55,8 @@ class Session {
   chunk = 0;
   depth = 0;
   verify = true;
+  /** Ring bytes this session counts in ringBytes. */
+  counted = 0;
   private readonly busy = new Set<number>();
   readonly sinks = new Map<number, { sink: FileSink; rel: string }>();
   readonly sources = new Map<number, { src: FileSource; rel: string }>();
@@ -92,6 +97,8 @@ class Session {
     this.sinks.clear();
     this.sources.clear();
     this.share?.revoke();
+    ringBytes -= this.counted;
+    this.counted = 0;
     try {
       this.ring?.dispose();
     } catch {
@@ -138,6 +145,9 @@ function handlers(s: Session): Record<string, RpcHandler> {
       if (s.ring) throw new CopyError("PROTOCOL", "hello twice");
       const chunk = int(o, "chunk", MIN_CHUNK, MAX_CHUNK);
       const depth = Math.min(int(o, "depth", 1, 1024), MAX_DEPTH, Math.floor(MAX_RING / chunk));
+      if (ringBytes + chunk * depth > MAX_TOTAL_RING) throw new CopyError("EBUSY", `the server is busy: its connections hold ${ringBytes >> 20} MiB of buffers (at most ${MAX_TOTAL_RING >> 20} MiB); retry later or ask for a smaller --chunk/--depth`);
+      ringBytes += chunk * depth;
+      s.counted = chunk * depth;
       s.chunk = chunk;
       s.depth = depth;
       s.verify = o.verify !== false;
