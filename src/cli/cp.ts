@@ -20,7 +20,7 @@ import { RpcClient, RpcError } from "../rpc/index.js";
 import { RdmaError, type LocalMr, type Rdma, type RemoteMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./copy/common.js";
 import { checkRel, CopyError, resolveInsideSync, withPath } from "./copy/paths.js";
-import { chunkCount, chunkLen, FileSink, FileSource } from "./copy/files.js";
+import { chunkCount, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
 import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
 import { encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
@@ -508,7 +508,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
     same: (files) =>
       mapLimit(files, 16, async (i) => {
         const st = await lstat(at_(i)).catch(() => null);
-        return st !== null && st.isFile() && st.size === i.entry.size && Math.trunc(st.mtimeMs) === Math.trunc(i.entry.mtimeMs);
+        return st !== null && st.isFile() && st.size === i.entry.size && sameSecond(st.mtimeMs, i.entry.mtimeMs);
       }),
     small: async (batch) => {
       const slot = await s.slots.acquire();

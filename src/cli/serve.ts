@@ -13,7 +13,7 @@ import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
 import { checkLinkTarget, checkRel, CopyError, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
-import { chunkLen, FileSink, FileSource } from "./copy/files.js";
+import { chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
 import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
 import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str, toJson, VERSION, type Result, type SmallResult } from "./copy/protocol.js";
 
@@ -182,7 +182,7 @@ function handlers(s: Session): Record<string, RpcHandler> {
       for (const f of arr(o, "files", 1_000_000)) {
         const { abs } = await where(s, f.path);
         const st = await lstat(abs).catch(() => null);
-        same.push(st !== null && st.isFile() && st.size === num(f, "size") && Math.trunc(st.mtimeMs) === Math.trunc(num(f, "mtimeMs", -1e15, 1e15)));
+        same.push(st !== null && st.isFile() && st.size === num(f, "size") && sameSecond(st.mtimeMs, num(f, "mtimeMs", -1e15, 1e15)));
       }
       return { same };
     }),

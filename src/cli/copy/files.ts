@@ -28,6 +28,16 @@ export interface FileMeta {
   mtimeMs: number;
 }
 
+/**
+ * Resume's quick check compares modification times to the second, as rsync
+ * does: a time set through utimes() need not read back with the same
+ * fraction (in the Soft-RoCE test guest a millisecond comparison missed a
+ * file this copy had just completed).
+ */
+export function sameSecond(aMs: number, bMs: number): boolean {
+  return Math.floor(aMs / 1000) === Math.floor(bMs / 1000);
+}
+
 export function chunkCount(size: number, chunk: number): number {
   return Math.ceil(size / chunk);
 }
