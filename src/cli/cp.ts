@@ -1,0 +1,649 @@
+/**
+ * async-rdma cp [options] src... dest   (a remote path is host[:port]:path)
+ *
+ * The client of `async-rdma serve`. Data moves by one-sided RDMA between a
+ * ring of registered chunk buffers on each side (slot k here ↔ slot k of the
+ * ring the server shares with this connection only):
+ *   upload:   read the file into slot k, RDMA WRITE it into the server's slot
+ *             k and call `put` (same QP: the call arrives after the data);
+ *             the server checks the chunk's CRC and writes it from its slot.
+ *   download: call `get`: the server reads the chunk into its slot k and
+ *             answers its CRC; we RDMA READ the slot, check, and write.
+ * `depth` chunks are in flight, so disk and network overlap. Small files
+ * travel the same way, many per slot and per call (a batch fills one slot).
+ * See docs/cp.md.
+ */
+import { lstat, realpath, stat } from "node:fs/promises";
+import { realpathSync } from "node:fs";
+import { basename, join, posix } from "node:path";
+import { RpcClient, RpcError } from "../rpc/index.js";
+import { RdmaError, type LocalMr, type Rdma, type RemoteMr } from "../index.js";
+import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./copy/common.js";
+import { checkRel, CopyError, resolveInsideSync, withPath } from "./copy/paths.js";
+import { chunkCount, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
+import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
+import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
+import { encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
+import { Progress, type OutputMode } from "./copy/progress.js";
+
+/** Measured defaults (docs/performance.md, "cp"). */
+export const DEFAULT_CHUNK = 1024 * 1024;
+export const DEFAULT_DEPTH = 8;
+/** Files up to this size travel inline in batches. */
+const SMALL = 256 * 1024;
+const BATCH_FILES = 1024;
+/**
+ * Measurement switch (bench only, not an option): uploads pulled by the
+ * server with RDMA READ from this side's ring instead of pushed with RDMA
+ * WRITE into the server's. docs/performance.md compares the two.
+ */
+const PULL = process.env.ASYNC_RDMA_CP_UPLOAD === "read";
+
+export const USAGE = `usage: async-rdma cp [options] src... dest
+Copies files to or from an \`async-rdma serve\` server. A remote path is
+host:path or host:port:path (scp syntax; paths are relative to the served
+directory). Either every src is remote (download) or dest is (upload).
+
+  -r, --recursive         copy directories
+      --resume            continue an interrupted copy: files already complete
+                          (same size and mtime) are skipped, a partial file
+                          continues from its verified prefix
+      --no-verify         no CRC-32 checks (faster, less CPU)
+      --chunk <size>      bytes per chunk (default 1m; 4k to 16m)
+      --depth <n>         chunks in flight (default ${DEFAULT_DEPTH}; 1 to 64)
+      --provider <p>      tcp, verbs or auto (default auto)
+      --auth-key-file <f> authenticate with the key in this file
+      --json              progress and result as JSON lines on stdout
+  -q, --quiet             no progress, no summary
+  -h, --help              this help
+
+Examples:
+  async-rdma cp big.iso server:isos/          upload into the directory isos/
+  async-rdma cp -r server:7000:photos ./      download a tree from port 7000
+  async-rdma cp --resume big.iso server:      continue after an interruption
+`;
+
+interface Remote {
+  host: string;
+  port: number;
+  path: string;
+}
+
+/** host:path, host:port:path, [v6]:path, [v6]:port:path; local when it starts with / or . or has no colon. */
+export function parseRemote(s: string): Remote | null {
+  if (s.startsWith("/") || s.startsWith(".")) return null;
+  let host: string;
+  let rest: string;
+  if (s.startsWith("[")) {
+    const e = s.indexOf("]:");
+    if (e < 0) return null;
+    host = s.slice(1, e);
+    rest = s.slice(e + 2);
+  } else {
+    const c = s.indexOf(":");
+    if (c <= 0) return null;
+    host = s.slice(0, c);
+    if (host.includes("/")) return null;
+    rest = s.slice(c + 1);
+  }
+  const m = /^(\d{1,5}):(.*)$/s.exec(rest);
+  if (m) return { host, port: Number(m[1]), path: m[2]! };
+  return { host, port: DEFAULT_PORT, path: rest };
+}
+
+interface Options {
+  recursive: boolean;
+  resume: boolean;
+  verify: boolean;
+  chunk: number;
+  depth: number;
+  provider: string | undefined;
+  keyFile: string | undefined;
+  mode: OutputMode;
+}
+
+/** Slot numbers of the ring, from a free list. */
+class Slots {
+  private readonly free: number[];
+  private readonly waiting: ((k: number) => void)[] = [];
+  constructor(n: number) {
+    this.free = Array.from({ length: n }, (_, i) => n - 1 - i);
+  }
+  acquire(): Promise<number> {
+    const k = this.free.pop();
+    return k !== undefined ? Promise.resolve(k) : new Promise((r) => this.waiting.push(r));
+  }
+  release(k: number): void {
+    const w = this.waiting.shift();
+    if (w) w(k);
+    else this.free.push(k);
+  }
+}
+
+function codeOf(e: unknown): string {
+  return typeof (e as { code?: unknown })?.code === "string" ? (e as { code: string }).code : "ERROR";
+}
+
+function msgOf(e: unknown): string {
+  const m = e instanceof Error ? e.message : String(e);
+  // RpcError prefixes the method name: the user does not need it
+  return e instanceof RpcError ? m.replace(/^[a-zA-Z]+: /, "") : m;
+}
+
+/** The connection died: nothing more can be copied on it. */
+function fatal(e: unknown): boolean {
+  return e instanceof RdmaError || (e instanceof RpcError && e.code === "PROTOCOL");
+}
+
+/**
+ * The error to report once the connection is gone: a chunk task that was
+ * touching the ring when it was released fails with a TypeError (detached
+ * memory); the cause is the lost connection.
+ */
+function lost(rdma: Rdma, e: unknown): unknown {
+  if (e instanceof RdmaError || !rdma.closed) return e;
+  return new RdmaError("CONNECTION_CLOSED", "the connection to the server closed");
+}
+
+class Session {
+  readonly slots: Slots;
+  readonly local: Uint8Array;
+
+  constructor(
+    readonly rdma: Rdma,
+    readonly rpc: RpcClient,
+    readonly ring: LocalMr,
+    readonly rmr: RemoteMr,
+    readonly chunk: number,
+    readonly depth: number,
+    readonly readOnly: boolean,
+    readonly opts: Options,
+    readonly p: Progress,
+  ) {
+    this.slots = new Slots(depth);
+    this.local = ring.bytes;
+  }
+
+  static async open(r: Remote, opts: Options, p: Progress): Promise<Session> {
+    const b = builderFor(opts.provider, opts.keyFile).setPeerTimeout(10_000);
+    const rdma = await b.connect({ host: r.host, port: r.port });
+    try {
+      const rpc = new RpcClient(rdma);
+      // the server may grant fewer slots, never another chunk size: this ring is big enough
+      const ring = rdma.allocLocalMr(opts.chunk * opts.depth);
+      if (PULL) rdma.share("cp-client-ring", ring, { access: "read" });
+      const h = fromJson(await rpc.call("hello", toJson({ version: 1, chunk: opts.chunk, depth: opts.depth, verify: opts.verify, pull: PULL })));
+      const chunk = Number(h.chunk);
+      const depth = Number(h.depth);
+      if (chunk !== opts.chunk || !(depth >= 1 && depth <= opts.depth)) throw new CopyError("PROTOCOL", `the server answered chunk ${chunk}, depth ${depth}`);
+      const rmr = await rdma.openSharedMr(String(h.ring));
+      return new Session(rdma, rpc, ring, rmr, chunk, depth, h.readOnly === true, opts, p);
+    } catch (e) {
+      await rdma.close().catch(() => {});
+      throw e;
+    }
+  }
+
+  async call(method: string, o: unknown): Promise<Record<string, unknown>> {
+    return fromJson(await this.rpcCall(method, toJson(o)));
+  }
+
+  /** Every call goes through here: the count (in --json's result) shows what batching saves. */
+  rpcCall(method: string, payload: Uint8Array): Promise<Uint8Array> {
+    this.p.calls++;
+    return this.rpc.call(method, payload);
+  }
+
+  async close(): Promise<void> {
+    await this.rdma.close().catch(() => {});
+  }
+
+  /** Runs one chunk task per chunk index from `first`, `depth` at once; the first failure stops new ones. */
+  async pipeline(size: number, first: number, task: (i: number, slot: number) => Promise<void>): Promise<void> {
+    const n = chunkCount(size, this.chunk);
+    let failure: unknown = null;
+    const running = new Set<Promise<void>>();
+    for (let i = first; i < n && failure === null; i++) {
+      const slot = await this.slots.acquire();
+      if (failure !== null) {
+        this.slots.release(slot);
+        break;
+      }
+      const t: Promise<void> = task(i, slot)
+        .catch((e: unknown) => void (failure ??= e))
+        .finally(() => {
+          this.slots.release(slot);
+          running.delete(t);
+        });
+      running.add(t);
+    }
+    await Promise.all(running);
+    if (failure !== null) throw failure;
+  }
+}
+
+/** First index where the two CRC lists differ (the verified prefix, in chunks). */
+function agree(a: readonly number[], b: readonly number[]): number {
+  let i = 0;
+  while (i < a.length && i < b.length && a[i] === b[i]) i++;
+  return i;
+}
+
+interface Item {
+  /** Where the data is read: local absolute path (upload) or remote relative path (download). */
+  from: string;
+  /** Where it goes: remote relative path (upload) or local absolute path (download). */
+  to: string;
+  entry: Entry;
+  /** Downloads: the local directory or file the server's tree lands in, and the entry's path below it. */
+  base?: string;
+  rel?: string;
+}
+
+/**
+ * Where a download writes `i`: its path below the destination, with the
+ * parent directories resolved through symlinks and checked to stay inside
+ * the destination, so a link left by an earlier copy from a hostile server
+ * cannot lead a later write out of it.
+ */
+function localTarget(i: Item, parents: Map<string, string>): string {
+  if (i.base === undefined || i.rel === undefined || i.rel === "") return i.to;
+  let root = parents.get("\0" + i.base);
+  if (root === undefined) {
+    root = realpathSync(i.base);
+    parents.set("\0" + i.base, root);
+  }
+  return resolveInsideSync(root, i.rel, parents);
+}
+
+// ---------------------------------------------------------------- upload
+
+async function planUpload(s: Session, srcs: string[], dest: string): Promise<Item[]> {
+  const p = s.p;
+  const d = fromJson(await s.rpcCall("stat", toJson({ path: dest })));
+  const dtype = String(d.type);
+  if (srcs.length > 1 && dtype !== "dir") throw new CopyError("ENOTDIR", `${dest || "."}: ${dtype === "none" ? "no such directory" : "is a file, a directory is expected"} (several sources)`);
+  const items: Item[] = [];
+  for (const src of srcs) {
+    let st;
+    try {
+      st = await stat(src);
+    } catch (e) {
+      p.fail(src, codeOf(e), msgOf(withPath(e, src)));
+      continue;
+    }
+    const base = dtype === "dir" ? posix.join(dest, basename(src)) : dest;
+    if (st.isDirectory()) {
+      if (!s.opts.recursive) {
+        p.fail(src, "EISDIR", "is a directory (use -r)");
+        continue;
+      }
+      if (dtype === "file" || dtype === "symlink") {
+        p.fail(src, "ENOTDIR", `${dest}: the destination is a file, a directory is expected`);
+        continue;
+      }
+      const root = await realpath(src);
+      for (const e of await walk(root)) items.push({ from: e.path === "" ? root : join(root, e.path), to: e.path === "" ? base : posix.join(base, e.path), entry: e });
+    } else if (st.isFile()) {
+      items.push({ from: src, to: base, entry: { path: "", type: "file", size: st.size, mode: st.mode & 0o7777, mtimeMs: st.mtimeMs } });
+    } else p.fail(src, "EINVAL", "not a regular file or directory");
+  }
+  return items;
+}
+
+async function upload(s: Session, items: Item[]): Promise<void> {
+  const p = s.p;
+  if (s.readOnly) throw new CopyError("EROFS", "the server is read-only");
+  await transferTree(s, items, {
+    mkdirs: async (dirs, times) => resultsOf(await s.call("mkdirs", { dirs: dirs.map((i) => ({ path: i.to, mode: i.entry.mode, mtimeMs: i.entry.mtimeMs })), times })),
+    links: async (links) => resultsOf(await s.call("symlinks", { links: links.map((i) => ({ path: i.to, target: i.entry.target })) })),
+    same: async (files) => (await s.call("check", { files: files.map((i) => ({ path: i.to, size: i.entry.size, mtimeMs: i.entry.mtimeMs })) })).same as boolean[],
+    small: async (batch) => {
+      const slot = await s.slots.acquire();
+      try {
+        const at = slot * s.chunk;
+        const files: SmallFile[] = [];
+        const ok: Item[] = [];
+        let off = 0;
+        for (const i of batch) {
+          try {
+            // read straight into the registered slot; a file named on the command line is
+            // followed (as scp does), inside a tree links are copied as links
+            const r = readSmallInto(i.from, i.entry.path === "", s.local.subarray(at + off, at + s.chunk), s.opts.verify);
+            files.push({ path: i.to, ...r.meta, crc: r.crc, off });
+            ok.push(i);
+            off += r.meta.size;
+          } catch (e) {
+            p.fail(i.from, codeOf(e), msgOf(withPath(e, i.from)));
+          }
+        }
+        if (files.length === 0) return;
+        p.file = ok[ok.length - 1]!.to;
+        // the WRITE is posted before the call: on one QP the bytes are in place when it arrives
+        const wrote = off > 0 ? s.rdma.write(s.ring.slice(at, at + off), s.rmr.slice(at, at + off)) : Promise.resolve();
+        const [, reply] = await Promise.all([wrote, s.call("putSmall", { slot, files })]);
+        resultsOf(reply).forEach((x, k) => {
+          const i = ok[k]!;
+          if (x.ok) done(p, i);
+          else p.fail(i.to, x.code, x.message);
+        });
+      } finally {
+        s.slots.release(slot);
+      }
+    },
+    big: async (i) => {
+      const src = await FileSource.open(i.from, true);
+      let id = -1;
+      try {
+        p.file = i.to;
+        const o = await s.call("open", { path: i.to, ...src.meta, resume: s.opts.resume });
+        id = Number(o.id);
+        const theirs = (o.existing as number[]) ?? [];
+        let first = 0;
+        if (theirs.length > 0) {
+          first = agree(await src.prefixCrcs(s.chunk, theirs.length), theirs);
+          const r = await s.call("accept", { id, chunks: first });
+          p.skipped += Number(r.bytes);
+        }
+        const size = src.st.size;
+        await s.pipeline(size, first, async (k, slot) => {
+          const off = k * s.chunk;
+          const n = chunkLen(size, s.chunk, k);
+          const view = s.local.subarray(slot * s.chunk, slot * s.chunk + n);
+          const crc = await src.readChunk(k, s.chunk, view, s.opts.verify);
+          const at = slot * s.chunk;
+          if (PULL) await s.rpcCall("pull", encodePut(id, slot, off, n, crc));
+          // WRITE then the call, on one QP: the data is in place when `put` arrives
+          else await Promise.all([s.rdma.write(s.ring.slice(at, at + n), s.rmr.slice(at, at + n)), s.rpcCall("put", encodePut(id, slot, off, n, crc))]);
+          p.add(n);
+        });
+        if (await src.changed()) throw new CopyError("SOURCE_CHANGED", "the source changed during the copy; rerun with --resume");
+        await s.call("finish", { id, digest: src.digest() });
+        id = -1;
+        p.files++;
+      } finally {
+        if (id >= 0) await s.call("abort", { id }).catch(() => {});
+        await src.close();
+      }
+    },
+  });
+}
+
+function done(p: Progress, i: Item): void {
+  p.files++;
+  p.add(i.entry.size);
+}
+
+function resultsOf(o: Record<string, unknown>): Result[] {
+  const r = o.results;
+  if (!Array.isArray(r)) throw new CopyError("PROTOCOL", "results missing");
+  return r as Result[];
+}
+
+interface Ends {
+  mkdirs(dirs: Item[], times: boolean): Promise<Result[]>;
+  links(links: Item[]): Promise<Result[]>;
+  same(files: Item[]): Promise<boolean[]>;
+  small(batch: Item[]): Promise<void>;
+  big(i: Item): Promise<void>;
+}
+
+/** The order of a copy, the same both ways: directories, quick check, small files in batches, large files, links, directory times. */
+async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void> {
+  const p = s.p;
+  const dirs = items.filter((i) => i.entry.type === "dir");
+  const links = items.filter((i) => i.entry.type === "symlink");
+  let files = items.filter((i) => i.entry.type === "file");
+  p.total = files.reduce((a, i) => a + i.entry.size, 0);
+  const report = (list: Item[], r: Result[]): void =>
+    r.forEach((x, k) => {
+      if (!x.ok) p.fail(list[k]!.to, x.code, x.message);
+    });
+  if (dirs.length > 0) report(dirs, await ends.mkdirs(dirs, false));
+  if (s.opts.resume && files.length > 0) {
+    const same = await ends.same(files);
+    files = files.filter((i, k) => {
+      if (!same[k]) return true;
+      p.skipped += i.entry.size;
+      p.filesSkipped++;
+      return false;
+    });
+  }
+  // a batch fills at most one slot of the ring
+  const limit = Math.min(SMALL, s.chunk);
+  const small = files.filter((i) => i.entry.size <= limit);
+  const big = files.filter((i) => i.entry.size > limit);
+  const batches: Item[][] = [];
+  let cur: Item[] = [];
+  let bytes = 0;
+  for (const i of small) {
+    if (cur.length >= BATCH_FILES || (cur.length > 0 && bytes + i.entry.size > s.chunk)) {
+      batches.push(cur);
+      cur = [];
+      bytes = 0;
+    }
+    cur.push(i);
+    bytes += i.entry.size;
+  }
+  if (cur.length > 0) batches.push(cur);
+  await mapLimit(batches, s.depth, async (b) => {
+    try {
+      await ends.small(b);
+    } catch (e) {
+      if (fatal(e) || s.rdma.closed) throw lost(s.rdma, e);
+      for (const i of b) p.fail(i.to, codeOf(e), msgOf(e));
+    }
+  });
+  for (const i of big) {
+    try {
+      await ends.big(i);
+    } catch (e) {
+      if (fatal(e) || s.rdma.closed) throw lost(s.rdma, e);
+      p.fail(i.to, codeOf(e), msgOf(e));
+    }
+  }
+  // links last: no file of this copy is ever written through a link it created
+  // (a hostile server listing `a -> /etc` and then `a/passwd`)
+  if (links.length > 0) report(links, await ends.links(links));
+  if (dirs.length > 0) report(dirs, await ends.mkdirs([...dirs].reverse(), true));
+  p.tick(true);
+}
+
+// ---------------------------------------------------------------- download
+
+async function planDownload(s: Session, srcs: string[], dest: string): Promise<Item[]> {
+  const p = s.p;
+  const dst = await lstat(dest).catch(() => null);
+  const isDir = dst?.isDirectory() === true || (dst?.isSymbolicLink() === true && (await stat(dest).catch(() => null))?.isDirectory() === true);
+  if (srcs.length > 1 && !isDir) throw new CopyError("ENOTDIR", `${dest}: ${dst ? "is a file, a directory is expected" : "no such directory"} (several sources)`);
+  const items: Item[] = [];
+  for (const src of srcs) {
+    let entries: Entry[];
+    try {
+      entries = (await s.call("list", { path: src })).entries as Entry[];
+    } catch (e) {
+      if (fatal(e)) throw e;
+      p.fail(src, codeOf(e), msgOf(e));
+      continue;
+    }
+    const top = entries[0];
+    if (!top) continue;
+    const base = isDir ? join(dest, basename(src) || ".") : dest;
+    if (top.type === "dir") {
+      if (!s.opts.recursive) {
+        p.fail(src, "EISDIR", "is a directory (use -r)");
+        continue;
+      }
+      if (dst && !isDir && srcs.length === 1) {
+        p.fail(dest, "ENOTDIR", "the destination is a file, a directory is expected");
+        continue;
+      }
+    }
+    for (const e of entries) {
+      // a server names only paths under what we asked for
+      const rel = checkRel(e.path);
+      items.push({ from: rel === "" ? src : posix.join(src, rel), to: rel === "" ? base : join(base, rel), entry: e, base, rel });
+    }
+  }
+  return items;
+}
+
+async function download(s: Session, items: Item[]): Promise<void> {
+  const p = s.p;
+  // targets are resolved when written (the directories of this copy are created first)
+  const parents = new Map<string, string>();
+  const at_ = (i: Item): string => localTarget(i, parents);
+  const each = async (list: Item[], fn: (i: Item) => Promise<void>): Promise<Result[]> =>
+    mapLimit(list, 1, async (i) => {
+      try {
+        await fn(i);
+        return { ok: true } as Result;
+      } catch (e) {
+        return { ok: false, code: codeOf(e), message: msgOf(withPath(e, i.to)) };
+      }
+    });
+  await transferTree(s, items, {
+    mkdirs: (dirs, times) => each(dirs, async (i) => (times ? setTimes(at_(i), i.entry.mode, i.entry.mtimeMs) : makeDir(at_(i), i.entry.mode | 0o700))),
+    links: (links) => each(links, async (i) => makeLink(at_(i), i.entry.target ?? "")),
+    same: (files) =>
+      mapLimit(files, 16, async (i) => {
+        const st = await lstat(at_(i)).catch(() => null);
+        return st !== null && st.isFile() && st.size === i.entry.size && sameSecond(st.mtimeMs, i.entry.mtimeMs);
+      }),
+    small: async (batch) => {
+      const slot = await s.slots.acquire();
+      try {
+        const byPath = new Map(batch.map((i) => [checkRel(i.from), i]));
+        const files = smallFiles(await s.call("getSmall", { slot, paths: [...byPath.keys()] }), "files", s.chunk, batch.length);
+        const at = slot * s.chunk;
+        let end = 0;
+        for (const f of files) if ("crc" in f) end = f.off + f.size;
+        if (end > 0) await s.rdma.read(s.ring.slice(at, at + end), s.rmr.slice(at, at + end));
+        const todo: { i: Item; b: BatchFile }[] = [];
+        for (const f of files) {
+          const i = byPath.get(f.path);
+          if (!i) throw new CopyError("PROTOCOL", `the server sent ${JSON.stringify(f.path)}, which was not asked for`);
+          if (!("crc" in f)) p.fail(i.from, f.code, f.message);
+          else {
+            try {
+              todo.push({ i, b: { abs: at_(i), f, data: s.local.subarray(at + f.off, at + f.off + f.size) } });
+            } catch (e) {
+              p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
+            }
+          }
+        }
+        if (todo.length > 0) p.file = todo[todo.length - 1]!.i.from;
+        const errs = await writeBatch(
+          todo.map((t) => t.b),
+          s.opts.verify,
+        );
+        errs.forEach((e, k) => {
+          const { i } = todo[k]!;
+          if (e === null) done(p, i);
+          else p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
+        });
+      } finally {
+        s.slots.release(slot);
+      }
+    },
+    big: async (i) => {
+      p.file = i.from;
+      const o = await s.call("openRead", { path: i.from });
+      const id = Number(o.id);
+      let open = true;
+      let sink: FileSink | null = null;
+      try {
+        const meta = { size: Number(o.size), mode: Number(o.mode), mtimeMs: Number(o.mtimeMs) };
+        sink = await FileSink.open(at_(i), meta, s.chunk, s.opts.resume, s.opts.verify);
+        let first = 0;
+        if (sink.existing.length > 0) {
+          const theirs = (await s.call("sums", { id, count: sink.existing.length })).crcs as number[];
+          first = agree(sink.existing, theirs);
+          p.skipped += sink.accept(first);
+        }
+        const k0 = sink;
+        await s.pipeline(meta.size, first, async (k, slot) => {
+          const off = k * s.chunk;
+          const n = chunkLen(meta.size, s.chunk, k);
+          const r = await s.rpcCall("get", encodeGet(id, slot, off, n));
+          const crc = new DataView(r.buffer, r.byteOffset, r.byteLength).getUint32(0);
+          const at = slot * s.chunk;
+          await s.rdma.read(s.ring.slice(at, at + n), s.rmr.slice(at, at + n));
+          await k0.write(off, s.local.subarray(at, at + n), crc);
+          p.add(n);
+        });
+        const c = await s.call("closeRead", { id });
+        open = false;
+        if (c.changed === true) throw new CopyError("SOURCE_CHANGED", "the source changed during the copy; rerun with --resume");
+        await sink.finish(String(c.digest));
+        sink = null;
+        p.files++;
+      } finally {
+        await sink?.abort();
+        if (open) await s.call("closeRead", { id }).catch(() => {});
+      }
+    },
+  });
+}
+
+// ---------------------------------------------------------------- command
+
+export async function cp(args: string[]): Promise<number> {
+  const opts: Options = { recursive: false, resume: false, verify: true, chunk: DEFAULT_CHUNK, depth: DEFAULT_DEPTH, provider: undefined, keyFile: undefined, mode: "human" };
+  const paths: string[] = [];
+  for (let i = 0; i < args.length; i++) {
+    const a = args[i]!;
+    if (a === "-h" || a === "--help") {
+      process.stdout.write(USAGE);
+      return 0;
+    } else if (a === "-r" || a === "--recursive") opts.recursive = true;
+    else if (a === "--resume") opts.resume = true;
+    else if (a === "--no-verify") opts.verify = false;
+    else if (a === "--chunk") {
+      opts.chunk = parseSize(args[++i], "--chunk");
+      if (opts.chunk < 4096 || opts.chunk > 16 * 1024 * 1024) throw new CopyError("USAGE", "--chunk must be between 4k and 16m");
+    } else if (a === "--depth") opts.depth = parseIntArg(args[++i], "--depth", 1, 64);
+    else if (a === "--provider") opts.provider = args[++i];
+    else if (a === "--auth-key-file") opts.keyFile = args[++i];
+    else if (a === "--json") opts.mode = "json";
+    else if (a === "-q" || a === "--quiet") opts.mode = opts.mode === "json" ? "json" : "quiet";
+    else if (a === "--") paths.push(...args.slice(i + 1)), (i = args.length);
+    else if (a.startsWith("-") && a !== "-") throw new CopyError("USAGE", `unknown option ${a} (async-rdma cp --help)`);
+    else paths.push(a);
+  }
+  if (paths.length < 2) throw new CopyError("USAGE", "cp needs at least one source and a destination (async-rdma cp --help)");
+  const dest = paths.pop()!;
+  const dr = parseRemote(dest);
+  const sr = paths.map(parseRemote);
+  let remote: Remote;
+  let up: boolean;
+  if (dr && sr.every((x) => x === null)) {
+    remote = dr;
+    up = true;
+  } else if (!dr && sr.every((x) => x !== null)) {
+    remote = sr[0]!;
+    up = false;
+    if (sr.some((x) => x!.host !== remote.host || x!.port !== remote.port)) throw new CopyError("USAGE", "every remote source must be on the same server");
+  } else throw new CopyError("USAGE", "either the destination is remote (upload) or every source is (download), not both and not neither");
+  const p = new Progress(opts.mode);
+  let s: Session;
+  try {
+    s = await Session.open(remote, opts, p);
+  } catch (e) {
+    p.fail(`${remote.host}:${remote.port}`, codeOf(e), msgOf(e));
+    p.summary();
+    return 1;
+  }
+  try {
+    if (up) await upload(s, await planUpload(s, paths, remote.path));
+    else await download(s, await planDownload(s, sr.map((x) => x!.path), dest));
+  } catch (e0) {
+    const e = lost(s.rdma, e0);
+    const resumable = e instanceof RdmaError ? "; rerun with --resume to continue" : "";
+    p.fail(p.file || `${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + resumable);
+  } finally {
+    await s.close();
+  }
+  p.summary();
+  return p.errors.length === 0 ? 0 : 1;
+}

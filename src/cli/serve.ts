@@ -1,0 +1,416 @@
+/**
+ * async-rdma serve [dir] [-p port] [--bind addr] [--read-only] [--auth-key-file f] [--provider p]
+ *
+ * Serves one directory tree to `async-rdma cp`. Every path a client names is
+ * confined to the tree (copy/paths.ts); each connection gets its own ring of
+ * registered chunk buffers, shared with that connection only, and whatever it
+ * holds (open files, the ring) is released when it ends, however it ends.
+ * Uploads land under temporary names until complete and verified.
+ */
+import { lstat, realpath } from "node:fs/promises";
+import { RpcServer, type RpcHandler } from "../rpc/index.js";
+import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
+import { builderFor, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
+import { checkLinkTarget, checkRel, CopyError, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
+import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
+import { chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
+import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
+import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str, toJson, VERSION, type Result, type SmallResult } from "./copy/protocol.js";
+
+export const USAGE = `usage: async-rdma serve [dir] [options]
+Serves the directory tree \`dir\` (default: the current directory) to \`async-rdma cp\`.
+Nothing outside it is readable or writable.
+
+  -p, --port <n>          port to listen on (default ${DEFAULT_PORT}; 0 picks a free one)
+      --bind <addr>       address to listen on (default 0.0.0.0)
+      --read-only         refuse uploads and every change to the tree
+      --auth-key-file <f> accept only clients that have this key (16 bytes or more)
+      --provider <p>      tcp, verbs or auto (default auto)
+  -h, --help              this help
+`;
+
+/** Limits a client may ask for. */
+const MAX_CHUNK = 16 * 1024 * 1024;
+const MIN_CHUNK = 4096;
+const MAX_DEPTH = 64;
+const MAX_RING = 256 * 1024 * 1024;
+/** Ring bytes of all connections together: past it a hello is refused (EBUSY), the client may retry later. */
+const MAX_TOTAL_RING = 1024 * 1024 * 1024;
+let ringBytes = 0;
+const MAX_OPEN = 256;
+const MAX_BATCH_FILES = 10_000;
+
+interface Options {
+  root: string;
+  readOnly: boolean;
+}
+
+/** One client's state: its ring and the files it has open. */
+class Session {
+  ring: LocalMr | null = null;
+  /** The client's ring, when it asked the server to pull uploads with RDMA READ. */
+  peerRing: RemoteMr | null = null;
+  bytes: Uint8Array | null = null;
+  share: SharedMr | null = null;
+  chunk = 0;
+  depth = 0;
+  verify = true;
+  /** Ring bytes this session counts in ringBytes. */
+  counted = 0;
+  private readonly busy = new Set<number>();
+  readonly sinks = new Map<number, { sink: FileSink; rel: string }>();
+  readonly sources = new Map<number, { src: FileSource; rel: string }>();
+  private nextId = 1;
+
+  constructor(
+    readonly rdma: Rdma,
+    readonly opts: Options,
+  ) {}
+
+  id(): number {
+    if (this.sinks.size + this.sources.size >= MAX_OPEN) throw new CopyError("EMFILE", `at most ${MAX_OPEN} files open per connection`);
+    const id = this.nextId;
+    this.nextId = (this.nextId % 0x7fffffff) + 1;
+    return id;
+  }
+
+  writable(): void {
+    if (this.opts.readOnly) throw new CopyError("EROFS", "the server is read-only (--read-only)");
+  }
+
+  /** Slot `slot` for the length of one call; a slot in use by another call is refused. */
+  async withSlot<T>(slot: number, len: number, fn: (view: Uint8Array) => Promise<T>): Promise<T> {
+    if (!this.bytes) throw new CopyError("PROTOCOL", "hello first");
+    if (slot >= this.depth || len > this.chunk || len === 0) throw new CopyError("PROTOCOL", `slot ${slot} length ${len} is outside the ring (${this.depth} × ${this.chunk})`);
+    if (this.busy.has(slot)) throw new CopyError("PROTOCOL", `slot ${slot} is in use`);
+    this.busy.add(slot);
+    try {
+      return await fn(this.bytes.subarray(slot * this.chunk, slot * this.chunk + len));
+    } finally {
+      this.busy.delete(slot);
+    }
+  }
+
+  async end(): Promise<void> {
+    for (const { sink } of this.sinks.values()) await sink.abort();
+    for (const { src } of this.sources.values()) await src.close();
+    this.sinks.clear();
+    this.sources.clear();
+    this.share?.revoke();
+    ringBytes -= this.counted;
+    this.counted = 0;
+    try {
+      this.ring?.dispose();
+    } catch {
+      /* released with the connection */
+    }
+  }
+}
+
+async function where(s: Session, path: unknown): Promise<{ rel: string; abs: string }> {
+  const rel = checkRel(path);
+  return { rel, abs: await resolveInside(s.opts.root, rel) };
+}
+
+function handlers(s: Session): Record<string, RpcHandler> {
+  const { root } = s.opts;
+  /** Runs a handler; fs errors come back with the client's path, never the server's. */
+  const h =
+    (fn: (p: Uint8Array) => Promise<Uint8Array | void>): RpcHandler =>
+    async (p) => {
+      try {
+        return await fn(p);
+      } catch (e) {
+        throw withPath(e, "");
+      }
+    };
+  const json =
+    (fn: (o: Record<string, unknown>) => Promise<unknown>): RpcHandler =>
+    h(async (p) => toJson(await fn(fromJson(p))));
+  const sinkOf = (o: Record<string, unknown>) => {
+    const e = s.sinks.get(int(o, "id"));
+    if (!e) throw new CopyError("PROTOCOL", "no such open file");
+    return e;
+  };
+  const each = async <T>(items: T[], fn: (t: T) => Promise<Result | void>): Promise<Result[]> =>
+    mapLimit(items, 1, async (t) => {
+      try {
+        return (await fn(t)) ?? { ok: true };
+      } catch (e) {
+        return failure(withPath(e, String((t as { path?: unknown }).path ?? "")));
+      }
+    });
+  return {
+    hello: json(async (o) => {
+      if (s.ring) throw new CopyError("PROTOCOL", "hello twice");
+      const chunk = int(o, "chunk", MIN_CHUNK, MAX_CHUNK);
+      const depth = Math.min(int(o, "depth", 1, 1024), MAX_DEPTH, Math.floor(MAX_RING / chunk));
+      if (ringBytes + chunk * depth > MAX_TOTAL_RING) throw new CopyError("EBUSY", `the server is busy: its connections hold ${ringBytes >> 20} MiB of buffers (at most ${MAX_TOTAL_RING >> 20} MiB); retry later or ask for a smaller --chunk/--depth`);
+      ringBytes += chunk * depth;
+      s.counted = chunk * depth;
+      s.chunk = chunk;
+      s.depth = depth;
+      s.verify = o.verify !== false;
+      s.ring = s.rdma.allocLocalMr(chunk * depth);
+      s.bytes = s.ring.bytes;
+      // exactly the ring, to this connection only; read-only servers never let a client write
+      s.share = s.rdma.share("cp-ring", s.ring, { access: s.opts.readOnly ? "read" : "write" });
+      if (o.pull === true) s.peerRing = await s.rdma.openSharedMr("cp-client-ring");
+      return { version: VERSION, chunk, depth, ring: "cp-ring", readOnly: s.opts.readOnly };
+    }),
+    stat: json(async (o) => {
+      const { rel, abs } = await where(s, o.path);
+      try {
+        const st = await lstat(abs);
+        const type = st.isSymbolicLink() ? "symlink" : st.isDirectory() ? "dir" : st.isFile() ? "file" : "other";
+        return { type, size: st.size, mode: st.mode & 0o7777, mtimeMs: st.mtimeMs };
+      } catch (e) {
+        if ((e as { code?: unknown }).code === "ENOENT") return { type: "none" };
+        throw withPath(e, rel);
+      }
+    }),
+    list: json(async (o) => {
+      const { rel, abs } = await where(s, o.path);
+      try {
+        return { entries: await walk(abs) };
+      } catch (e) {
+        throw withPath(e, rel);
+      }
+    }),
+    check: json(async (o) => {
+      const same: boolean[] = [];
+      for (const f of arr(o, "files", 1_000_000)) {
+        const { abs } = await where(s, f.path);
+        const st = await lstat(abs).catch(() => null);
+        same.push(st !== null && st.isFile() && st.size === num(f, "size") && sameSecond(st.mtimeMs, num(f, "mtimeMs", -1e15, 1e15)));
+      }
+      return { same };
+    }),
+    mkdirs: json(async (o) => {
+      s.writable();
+      const times = o.times === true;
+      return {
+        results: await each(arr(o, "dirs", 1_000_000), async (d) => {
+          const { abs } = await where(s, d.path);
+          if (times) await setTimes(abs, int(d, "mode", 0, 0o7777), num(d, "mtimeMs", -1e15, 1e15));
+          else await makeDir(abs, int(d, "mode", 0, 0o7777) | 0o700);
+        }),
+      };
+    }),
+    symlinks: json(async (o) => {
+      s.writable();
+      return {
+        results: await each(arr(o, "links", 1_000_000), async (l) => {
+          const { rel, abs } = await where(s, l.path);
+          const target = str(l, "target");
+          checkLinkTarget(rel, target);
+          await makeLink(abs, target);
+        }),
+      };
+    }),
+    open: json(async (o) => {
+      s.writable();
+      const { rel, abs } = await where(s, o.path);
+      if (rel === "") throw new CopyError("EISDIR", "the destination is the served directory, a file is expected");
+      const meta = { size: int(o, "size"), mode: int(o, "mode", 0, 0o7777), mtimeMs: num(o, "mtimeMs", -1e15, 1e15) };
+      const id = s.id();
+      try {
+        const sink = await FileSink.open(abs, meta, s.chunk, o.resume === true, s.verify);
+        s.sinks.set(id, { sink, rel });
+        return { id, existing: sink.existing };
+      } catch (e) {
+        throw withPath(e, rel);
+      }
+    }),
+    accept: json(async (o) => {
+      const { sink } = sinkOf(o);
+      return { bytes: sink.accept(int(o, "chunks")) };
+    }),
+    put: h(async (p) => {
+      const m = decodePut(p);
+      const e = s.sinks.get(m.id);
+      if (!e) throw new CopyError("PROTOCOL", "put: no such open file");
+      await s.withSlot(m.slot, m.len, async (view) => {
+        try {
+          await e.sink.write(m.off, view, m.crc);
+        } catch (err) {
+          throw withPath(err, e.rel);
+        }
+      });
+    }),
+    // the alternative upload data path (measured against put: docs/performance.md):
+    // the server RDMA READs the chunk from the client's slot into its own
+    pull: h(async (p) => {
+      const m = decodePut(p);
+      const e = s.sinks.get(m.id);
+      const peer = s.peerRing;
+      if (!e || !peer || !s.ring) throw new CopyError("PROTOCOL", "pull: no such open file, or no client ring");
+      await s.withSlot(m.slot, m.len, async (view) => {
+        const at = m.slot * s.chunk;
+        await s.rdma.read(s.ring!.slice(at, at + m.len), peer.slice(at, at + m.len));
+        try {
+          await e.sink.write(m.off, view, m.crc);
+        } catch (err) {
+          throw withPath(err, e.rel);
+        }
+      });
+    }),
+    finish: json(async (o) => {
+      const e = sinkOf(o);
+      s.sinks.delete(int(o, "id"));
+      try {
+        await e.sink.finish(str(o, "digest"));
+      } catch (err) {
+        await e.sink.abort();
+        throw withPath(err, e.rel);
+      }
+      return {};
+    }),
+    abort: json(async (o) => {
+      const e = s.sinks.get(int(o, "id"));
+      s.sinks.delete(int(o, "id"));
+      await e?.sink.abort();
+      return {};
+    }),
+    putSmall: json(async (o) => {
+      s.writable();
+      const slot = int(o, "slot", 0, 0xffffffff);
+      const files = smallFiles(o, "files", s.chunk, MAX_BATCH_FILES);
+      const parents = new Map<string, string>();
+      const results: Result[] = files.map(() => ({ ok: true }));
+      // the bytes are in our slot (the client WROTE them before this call, on the same QP)
+      await s.withSlot(slot, s.chunk, async (view) => {
+        const todo: { k: number; b: BatchFile }[] = [];
+        files.forEach((f, k) => {
+          try {
+            if (!("crc" in f)) throw new CopyError("PROTOCOL", "an upload entry without data");
+            const abs = resolveInsideSync(root, checkRel(f.path), parents);
+            if (abs === root) throw new CopyError("EISDIR", "the destination is the served directory");
+            todo.push({ k, b: { abs, f, data: view.subarray(f.off, f.off + f.size) } });
+          } catch (e) {
+            results[k] = failure(withPath(e, f.path));
+          }
+        });
+        const errs = await writeBatch(
+          todo.map((t) => t.b),
+          s.verify,
+        );
+        errs.forEach((e, j) => {
+          const t = todo[j]!;
+          if (e !== null) results[t.k] = failure(withPath(e, t.b.f.path));
+        });
+      });
+      return { results };
+    }),
+    openRead: json(async (o) => {
+      const { rel, abs } = await where(s, o.path);
+      const id = s.id();
+      try {
+        const src = await FileSource.open(abs);
+        s.sources.set(id, { src, rel });
+        return { id, ...src.meta };
+      } catch (e) {
+        throw withPath(e, rel);
+      }
+    }),
+    sums: json(async (o) => {
+      const e = s.sources.get(int(o, "id"));
+      if (!e) throw new CopyError("PROTOCOL", "no such open file");
+      return { crcs: await e.src.prefixCrcs(s.chunk, int(o, "count", 0, 1 << 30)) };
+    }),
+    get: h(async (p) => {
+      const m = decodeGet(p);
+      const e = s.sources.get(m.id);
+      if (!e) throw new CopyError("PROTOCOL", "get: no such open file");
+      const i = m.off / s.chunk;
+      if (!Number.isInteger(i) || m.len !== chunkLen(e.src.st.size, s.chunk, i)) throw new CopyError("PROTOCOL", `get: offset ${m.off} length ${m.len} is not a chunk of the file`);
+      const crc = await s.withSlot(m.slot, m.len, async (view) => {
+        try {
+          return await e.src.readChunk(i, s.chunk, view, s.verify);
+        } catch (err) {
+          throw withPath(err, e.rel);
+        }
+      });
+      const out = new Uint8Array(4);
+      new DataView(out.buffer).setUint32(0, crc);
+      return out;
+    }),
+    closeRead: json(async (o) => {
+      const id = int(o, "id");
+      const e = s.sources.get(id);
+      if (!e) throw new CopyError("PROTOCOL", "no such open file");
+      s.sources.delete(id);
+      try {
+        return { changed: await e.src.changed(), digest: e.src.digest() };
+      } finally {
+        await e.src.close();
+      }
+    }),
+    getSmall: json(async (o) => {
+      const slot = int(o, "slot", 0, 0xffffffff);
+      const paths = o.paths;
+      if (!Array.isArray(paths) || paths.length > MAX_BATCH_FILES) throw new CopyError("PROTOCOL", `getSmall: at most ${MAX_BATCH_FILES} paths`);
+      const parents = new Map<string, string>();
+      const files: SmallResult[] = [];
+      // read into our slot, back to back; the client READs them after the answer
+      await s.withSlot(slot, s.chunk, async (view) => {
+        let off = 0;
+        for (const path of paths) {
+          let rel = String(path);
+          try {
+            rel = checkRel(path);
+            const r = readSmallInto(resolveInsideSync(root, rel, parents), false, view.subarray(off), s.verify);
+            files.push({ path: rel, ...r.meta, crc: r.crc, off });
+            off += r.meta.size;
+          } catch (e) {
+            const f = failure(withPath(e, rel));
+            files.push({ path: rel, code: f.code, message: f.message });
+          }
+        }
+      });
+      return { files };
+    }),
+  };
+}
+
+export async function serve(args: string[]): Promise<void> {
+  let dir: string | undefined;
+  let port = DEFAULT_PORT;
+  let bind = "0.0.0.0";
+  let readOnly = false;
+  let keyFile: string | undefined;
+  let provider: string | undefined;
+  for (let i = 0; i < args.length; i++) {
+    const a = args[i]!;
+    if (a === "-h" || a === "--help") {
+      process.stdout.write(USAGE);
+      return;
+    } else if (a === "-p" || a === "--port") port = parseIntArg(args[++i], a, 0, 65535);
+    else if (a === "--bind") bind = args[++i] ?? "";
+    else if (a === "--read-only") readOnly = true;
+    else if (a === "--auth-key-file") keyFile = args[++i];
+    else if (a === "--provider") provider = args[++i];
+    else if (a.startsWith("-")) throw new CopyError("USAGE", `unknown option ${a} (async-rdma serve --help)`);
+    else if (dir === undefined) dir = a;
+    else throw new CopyError("USAGE", `one directory only (got ${JSON.stringify(dir)} and ${JSON.stringify(a)})`);
+  }
+  let root: string;
+  try {
+    root = await realpath(dir ?? ".");
+    if (!(await lstat(root)).isDirectory()) throw new CopyError("ENOTDIR", `${dir}: not a directory`);
+  } catch (e) {
+    throw e instanceof CopyError ? e : new CopyError((e as { code?: string }).code ?? "ERROR", `${dir ?? "."}: ${(e as Error).message}`);
+  }
+  const listener = await builderFor(provider, keyFile).bind(`${bind}:${port}`);
+  console.log(`async-rdma serve: serving ${root} on ${bind}:${listener.port}${readOnly ? " (read-only)" : ""}`);
+  const stop = (): void => void listener.close().finally(() => process.exit(0));
+  process.once("SIGINT", stop);
+  process.once("SIGTERM", stop);
+  for await (const rdma of listener) {
+    const session = new Session(rdma, { root, readOnly });
+    void new RpcServer(handlers(session), { maxInFlight: 256 })
+      .serve(rdma)
+      .catch((e: unknown) => console.error(`async-rdma serve: a connection from ${rdma.peer.address} failed: ${(e as Error).message}`))
+      .finally(() => session.end());
+  }
+}

@@ -1,0 +1,110 @@
+/**
+ * The cp protocol's codecs and the receiver's rules, in-process: each binary
+ * message kind round-trips and refuses what is malformed, a slot's list of
+ * small files is checked; peer paths are
+ * confined; a chunk with a wrong CRC, a digest that differs or a missing
+ * chunk never reaches the final name.
+ */
+import { describe, it } from "node:test";
+import assert from "node:assert/strict";
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, realpathSync, rmSync, symlinkSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { crc32 } from "node:zlib";
+import { randomBytes } from "node:crypto";
+import { checkLinkTarget, checkRel, resolveInsideSync } from "../../src/cli/copy/paths.js";
+import { decodeGet, decodePut, encodeGet, encodePut, smallFiles } from "../../src/cli/copy/protocol.js";
+import { fileDigest, FileSink, tempName } from "../../src/cli/copy/files.js";
+import { parseRemote } from "../../src/cli/cp.js";
+
+describe("cp protocol and receiver rules", () => {
+  it("put and get round-trip and refuse a wrong length", () => {
+    assert.deepEqual(decodePut(encodePut(7, 3, 2 ** 40, 65536, 0xdeadbeef)), { id: 7, slot: 3, off: 2 ** 40, len: 65536, crc: 0xdeadbeef });
+    assert.deepEqual(decodeGet(encodeGet(9, 1, 4096, 100)), { id: 9, slot: 1, off: 4096, len: 100 });
+    assert.throws(() => decodePut(new Uint8Array(23)), { code: "PROTOCOL" });
+    assert.throws(() => decodeGet(new Uint8Array(21)), { code: "PROTOCOL" });
+  });
+
+  it("a slot's small files: inside the slot, in order, never overlapping; errors pass through", () => {
+    const ok = { path: "a", size: 3, mode: 0o644, mtimeMs: 1000.5, crc: crc32("abc"), off: 0 };
+    const list = smallFiles({ files: [ok, { path: "gone", code: "ENOENT", message: "no" }, { ...ok, path: "b", off: 3, size: 5 }] }, "files", 8, 10);
+    assert.equal(list.length, 3);
+    assert.deepEqual(list[0], ok);
+    assert.deepEqual(list[1], { path: "gone", code: "ENOENT", message: "no" });
+    assert.throws(() => smallFiles({ files: [{ ...ok, off: 6 }] }, "files", 8, 10), { code: "PROTOCOL" }); // leaves the slot
+    assert.throws(() => smallFiles({ files: [ok, { ...ok, off: 2 }] }, "files", 8, 10), { code: "PROTOCOL" }); // overlaps
+    assert.throws(() => smallFiles({ files: [ok, ok] }, "files", 8, 1), { code: "PROTOCOL" }); // too many
+    assert.throws(() => smallFiles({ files: [{ ...ok, size: -1 }] }, "files", 8, 10), { code: "PROTOCOL" });
+    assert.throws(() => smallFiles({ files: [{ ...ok, path: 5 }] }, "files", 8, 10), { code: "PROTOCOL" });
+    assert.throws(() => smallFiles({ files: "x" }, "files", 8, 10), { code: "PROTOCOL" });
+  });
+
+  it("peer paths: relative, no '..', no absolute; link targets stay inside", () => {
+    assert.equal(checkRel("a/./b//c/"), "a/b/c");
+    assert.equal(checkRel(""), "");
+    for (const bad of ["..", "a/../b", "/etc/passwd", "a/\0b", "../x"]) assert.throws(() => checkRel(bad), { code: "ESCAPE" }, bad);
+    assert.throws(() => checkRel(5), { code: "PROTOCOL" });
+    checkLinkTarget("d/l", "../x");
+    checkLinkTarget("l", "d/e");
+    assert.throws(() => checkLinkTarget("d/l", "../../x"), { code: "ESCAPE" });
+    assert.throws(() => checkLinkTarget("l", "/etc"), { code: "ESCAPE" });
+  });
+
+  it("resolveInsideSync refuses a parent that leads outside through a symlink (a link left by an earlier copy)", () => {
+    const dir = mkdtempSync(join(tmpdir(), "ardma-inside-"));
+    try {
+      mkdirSync(join(dir, "root", "d"), { recursive: true });
+      mkdirSync(join(dir, "outside"));
+      symlinkSync(join(dir, "outside"), join(dir, "root", "out"));
+      symlinkSync("d", join(dir, "root", "in"));
+      const root = realpathSync(join(dir, "root"));
+      const cache = new Map<string, string>();
+      assert.throws(() => resolveInsideSync(root, "out/passwd", cache), { code: "ESCAPE" });
+      assert.equal(resolveInsideSync(root, "in/x", cache), join(root, "d", "x"));
+      assert.equal(resolveInsideSync(root, "out", cache), join(root, "out"), "the last component is not followed");
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it("remote paths in scp syntax", () => {
+    assert.deepEqual(parseRemote("host:a/b"), { host: "host", port: 7471, path: "a/b" });
+    assert.deepEqual(parseRemote("host:9000:a"), { host: "host", port: 9000, path: "a" });
+    assert.deepEqual(parseRemote("host:"), { host: "host", port: 7471, path: "" });
+    assert.deepEqual(parseRemote("[::1]:9000:x"), { host: "::1", port: 9000, path: "x" });
+    assert.equal(parseRemote("./a:b"), null);
+    assert.equal(parseRemote("/abs:x"), null);
+    assert.equal(parseRemote("plain"), null);
+    assert.equal(parseRemote("dir/a:b"), null);
+  });
+
+  it("a FileSink writes nothing under the final name until verified, flushed and renamed", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "ardma-sink-"));
+    try {
+      const final = join(dir, "f");
+      const data = new Uint8Array(randomBytes(10_000));
+      const meta = { size: data.length, mode: 0o640, mtimeMs: 1_234_567_000 };
+      const sink = await FileSink.open(final, meta, 4096, false);
+      await assert.rejects(sink.write(0, data.subarray(0, 4096), crc32(data.subarray(0, 4096)) ^ 1), { code: "CHECKSUM" });
+      await sink.write(0, data.subarray(0, 4096), crc32(data.subarray(0, 4096)));
+      await sink.write(8192, data.subarray(8192), crc32(data.subarray(8192)));
+      await assert.rejects(sink.write(100, data.subarray(100, 200), 0), { code: "PROTOCOL" }); // not a chunk boundary
+      await assert.rejects(sink.finish("x"), { code: "PROTOCOL" }); // chunk 1 missing
+      assert.equal(existsSync(final), false);
+      await sink.write(4096, data.subarray(4096, 8192), crc32(data.subarray(4096, 8192)));
+      const crcs = [0, 4096, 8192].map((o) => crc32(data.subarray(o, o + 4096)));
+      await assert.rejects(sink.finish(fileDigest(meta.size, [crcs[1]!, crcs[0]!, crcs[2]!])), { code: "CHECKSUM" });
+      assert.equal(existsSync(final), false);
+      assert.ok(existsSync(tempName(final)), "the temporary file is kept");
+      // resume: the kept file's chunks are offered, the agreed prefix accepted
+      const again = await FileSink.open(final, meta, 4096, true);
+      assert.deepEqual(again.existing, crcs);
+      assert.equal(again.accept(3), data.length);
+      await again.finish(fileDigest(meta.size, crcs));
+      assert.deepEqual(new Uint8Array(readFileSync(final)), data);
+      assert.equal(existsSync(tempName(final)), false);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});
