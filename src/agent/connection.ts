@@ -146,6 +146,8 @@ interface Pending {
    * read, which may wait for this READ.
    */
   internal?: boolean;
+  /** Runs when the work request is taken for posting (a rendezvous copies into bounce memory then). */
+  onPost?: () => void;
   /** control buffer whose header gets the piggybacked credit count */
   hdr: LocalMemory | null;
 }
@@ -536,6 +538,7 @@ export class Connection implements MemoryHost {
         if (need > 0 && this.credits < need) break;
         q.shift();
         p.op.posted = true;
+        p.onPost?.();
         if (need > 0) this.credits--;
         if (p.hdr !== null) {
           // piggyback the receive buffers we re-posted since the last report
@@ -722,25 +725,37 @@ export class Connection implements MemoryHost {
     const slot = this.takeBounce(len);
     let mr: MemoryRegion;
     let addr: number;
-    if (slot >= 0) {
+    // Bounce: the bytes are copied into the slot only when the announcement is posted (the
+    // peer knows the bounce memory's key from earlier messages: a message aborted while
+    // queued must never have been there), and the slot is wiped unless the peer took them.
+    let copied = false;
+    const copyIn = (): void => {
+      if (copied || slot < 0) return;
+      copied = true;
       const b = this.bounce!;
       new Uint8Array(b.mem.alloc.buffer, b.mem.alloc.bufOffset + slot * BOUNCE_SLOT, len).set(lmr.bytes);
-      mr = b.mr;
-      addr = b.mr.addr + slot * BOUNCE_SLOT;
+      lmr.mem.opDone();
+    };
+    if (slot >= 0) {
+      mr = this.bounce!.mr;
+      addr = mr.addr + slot * BOUNCE_SLOT;
     } else {
       mr = this.pool.grant(lmr.mem.alloc, lmr.start, len, Access.REMOTE_READ);
       addr = mr.addr;
-      lmr.mem.inflight++;
     }
+    // The user's bytes stay pinned until the copy (bounce) or until the peer has them.
+    lmr.mem.inflight++;
     return new Promise<void>((resolve, reject) => {
       let unwatch: (() => void) | null = null;
-      const settle = (): void => {
+      const settle = (delivered: boolean): void => {
         const r = this.rndvOut.get(token);
         if (r?.timer) clearTimeout(r.timer);
         this.rndvOut.delete(token);
         unwatch?.();
-        if (slot >= 0) this.putBounce(slot, r?.cancelReason != null);
-        else {
+        if (slot >= 0) {
+          if (!copied) lmr.mem.opDone();
+          this.putBounce(slot, copied && !delivered);
+        } else {
           mr.deregister();
           lmr.mem.opDone();
         }
@@ -748,11 +763,11 @@ export class Connection implements MemoryHost {
       const entry: RndvOut = {
         mr,
         resolve: () => {
-          settle();
+          settle(true);
           resolve();
         },
         reject: (e) => {
-          settle();
+          settle(false);
           reject(e);
         },
         cancelReason: null,
@@ -783,7 +798,7 @@ export class Connection implements MemoryHost {
           this.rndvOut.get(token)?.reject(abortError(signal));
         });
       }
-      this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: n, lkey: a.mr.lkey }] }, op, credit: 2, hdr });
+      this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: n, lkey: a.mr.lkey }] }, op, credit: 2, hdr, onPost: copyIn });
     });
   }
 
@@ -794,13 +809,23 @@ export class Connection implements MemoryHost {
    * ever holds bytes sent to that peer; a cancelled message's slot is zeroed.
    */
   private bounce: { mem: LocalMemory; mr: MemoryRegion; free: number[] } | null = null;
+  private bounceFailed = false;
 
   private takeBounce(len: number): number {
     if (len > BOUNCE_SLOT || len <= this.peer.eagerMax) return -1;
+    if (this.bounceFailed) return -1;
     if (this.bounce === null) {
-      const mem = new LocalMemory(this.pool, this.pool.alloc(BOUNCE_SLOT * BOUNCE_SLOTS));
-      const mr = this.pool.grant(mem.alloc, 0, BOUNCE_SLOT * BOUNCE_SLOTS, Access.REMOTE_READ);
-      this.bounce = { mem, mr, free: Array.from({ length: BOUNCE_SLOTS }, (_, i) => BOUNCE_SLOTS - 1 - i) };
+      let mem: LocalMemory | null = null;
+      try {
+        mem = new LocalMemory(this.pool, this.pool.alloc(BOUNCE_SLOT * BOUNCE_SLOTS));
+        const mr = this.pool.grant(mem.alloc, 0, BOUNCE_SLOT * BOUNCE_SLOTS, Access.REMOTE_READ);
+        this.bounce = { mem, mr, free: Array.from({ length: BOUNCE_SLOTS }, (_, i) => BOUNCE_SLOTS - 1 - i) };
+      } catch {
+        // No memory or keys for it (a registration limit): this connection registers per message.
+        mem?.release();
+        this.bounceFailed = true;
+        return -1;
+      }
     }
     return this.bounce.free.pop() ?? -1;
   }

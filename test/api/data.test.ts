@@ -346,6 +346,35 @@ describe(`API data operations [${PROVIDER}]`, () => {
       await Promise.all([drain(server), drain(client), ...sends]);
     }));
 
+  it("a rendezvous message aborted while it waits for credits never reaches the bounce memory the peer can read", () =>
+    withApiPair(async ({ server, client }) => {
+      // Mid-size rendezvous messages go through bounce memory registered once for the peer, whose
+      // key the peer learns from any earlier message: bytes copied there before the announcement
+      // is posted would be readable by a peer that READs with that key, even if the send is aborted.
+      using m = client.allocLocalMr(10_000);
+      m.bytes.fill(1);
+      await client.send(m); // the first mid-size message: the bounce memory exists now
+      (await server.receive()).dispose();
+      // The server stops reading: credits run out and later messages wait in the queue.
+      using small = client.allocLocalMr(8);
+      const queued = Array.from({ length: 100 }, () => client.send(small).catch(() => {}));
+      await eventually(() => server.stats().unread >= 16, 30_000, "the server to hold unread messages");
+      const secret = pattern(10_000, 0x5ec);
+      m.bytes.set(secret);
+      const bounce = (client.conn as unknown as { bounce: { mem: { alloc: { buffer: ArrayBuffer; bufOffset: number; length: number } } } | null }).bounce;
+      assert.ok(bounce, "the bounce memory exists");
+      const readable = (): Buffer => Buffer.from(bounce.mem.alloc.buffer, bounce.mem.alloc.bufOffset, bounce.mem.alloc.length);
+      const ac = new AbortController();
+      const p = client.send(m, { signal: ac.signal });
+      await new Promise((r) => setImmediate(r)); // the queue was flushed: the announcement still waits for credits
+      assert.equal(readable().indexOf(Buffer.from(secret.subarray(0, 64))), -1, "a queued message's bytes are already in memory the peer can READ");
+      ac.abort();
+      await assert.rejects(p, code("ABORTED"));
+      assert.equal(readable().indexOf(Buffer.from(secret.subarray(0, 64))), -1, "the aborted message's bytes are in memory the peer can READ");
+      for (let i = 0; i < 100; i++) (await server.receive()).dispose();
+      await Promise.all(queued);
+    }));
+
   it("disposing memory detaches its views; a registered user buffer stays the user's", () =>
     withApiPair(async ({ client }) => {
       const lmr = client.allocLocalMr(16);
