@@ -36,6 +36,33 @@ export interface WindowOwner {
   readonly boundWindows: Set<TcpMw>;
 }
 
+/**
+ * Queued socket writes per backing ArrayBuffer, whichever registration they
+ * went through: the owning MR's, or a grant's or share's over part of its
+ * bytes (a READ response). The owner neither detaches nor renews its buffer
+ * while any is queued, so no write can see bytes freed or reused under it.
+ */
+const buffersInWrites = new Map<ArrayBuffer, { n: number; then: (() => void)[] }>();
+
+function retainBuffer(b: ArrayBuffer): void {
+  const e = buffersInWrites.get(b);
+  if (e) e.n++;
+  else buffersInWrites.set(b, { n: 1, then: [] });
+}
+
+function releaseBuffer(b: ArrayBuffer): void {
+  const e = buffersInWrites.get(b);
+  if (!e || --e.n > 0) return;
+  buffersInWrites.delete(b);
+  for (const f of e.then) f();
+}
+
+function waitForWrites(b: ArrayBuffer, f: () => void): void {
+  const e = buffersInWrites.get(b);
+  if (e) e.then.push(f);
+  else f();
+}
+
 export class TcpMr implements MemoryRegion {
   readonly pd: MemoryPd;
   readonly offset: number;
@@ -70,17 +97,19 @@ export class TcpMr implements MemoryRegion {
     return this._buffer;
   }
 
-  /** Socket writes still reading this MR's bytes (zero-copy payloads). */
-  private pendingWrites = 0;
+  /** Detaching waits for queued socket writes from these bytes (buffersInWrites). */
   private detachPending = false;
+  /** The buffer whose write count this MR's retains went to (fixed while any is pending). */
+  private retainedIn: ArrayBuffer | null = null;
 
   /** A socket write from this MR's bytes is queued; `writeDone` runs when the kernel has them. */
   retainForWrite(): void {
-    this.pendingWrites++;
+    this.retainedIn = this._buffer;
+    retainBuffer(this._buffer);
   }
 
   readonly writeDone = (): void => {
-    if (--this.pendingWrites === 0 && this.detachPending) this.detach();
+    releaseBuffer(this.retainedIn!);
   };
 
   deregister(): void {
@@ -93,14 +122,15 @@ export class TcpMr implements MemoryRegion {
     this.pd.released("mr");
     if (this.owned) {
       // Memory the provider allocated: detach every JS view so it cannot be touched after free,
-      // but only once no queued socket write still reads it (else the kernel would read freed memory).
-      if (this.pendingWrites > 0) this.detachPending = true;
-      else this.detach();
+      // but only once no queued socket write still reads it (else the kernel would read freed
+      // memory). Writes count per buffer: a READ response from a grant or share over this MR's
+      // bytes retains them too.
+      this.detach();
     }
   }
 
   renewBuffer(): boolean {
-    if (!this.owned || this.deregistered || this.pendingWrites > 0 || this.boundWindows > 0) return false;
+    if (!this.owned || this.deregistered || buffersInWrites.has(this._buffer) || this.boundWindows > 0) return false;
     // A transfer moves the bytes to a new ArrayBuffer (no copy) and detaches the old one.
     this._buffer = structuredClone(this._buffer, { transfer: [this._buffer] });
     this.view = new Uint8Array(this._buffer, this.offset, this.length);
@@ -108,7 +138,17 @@ export class TcpMr implements MemoryRegion {
   }
 
   private detach(): void {
-    this.detachPending = false;
+    if (buffersInWrites.has(this._buffer)) {
+      // A write from these bytes (through this MR, or a grant or share over them) is queued.
+      if (!this.detachPending) {
+        this.detachPending = true;
+        waitForWrites(this._buffer, () => {
+          this.detachPending = false;
+          this.detach();
+        });
+      }
+      return;
+    }
     detachArrayBuffer(this._buffer);
     this.view = new Uint8Array(0);
   }
