@@ -17,8 +17,65 @@
  * thread's own socket events) every mode waits for notifications: a poll
  * between two events cannot find anything, and spinning would only take CPU
  * from the peer on a machine with fewer cores than busy processes.
+ *
+ * Spinning pays only while this process has a core to itself. When the
+ * kernel preempts it (involuntary context switches grow while it spins),
+ * another runnable process wants the core, often the very peer whose
+ * completion it waits for: busy and adaptive then sleep on completion events
+ * (as "event" does) for a back-off period, and try spinning again after it.
+ * One detector per process ({@link Contention}), shared by every poller.
  */
 import { CompletionBuffer, type CompletionQueue } from "../transport/types.js";
+
+/**
+ * Is the CPU oversubscribed? Reads the process's involuntary context
+ * switches (getrusage) at most every `probeMs` and, when they grew, says
+ * "contended" for a back-off period: `minBackoffMs`, doubled on each
+ * consecutive contended probe up to `maxBackoffMs`, back to the minimum after
+ * a clean one.
+ */
+export class Contention {
+  private lastProbe = -Infinity;
+  private lastSwitches: number;
+  private until = -Infinity;
+  private backoff: number;
+  /** Times spinning was given up for a back-off period (stats, tests). */
+  yields = 0;
+
+  constructor(
+    /** The process's involuntary context switches so far (replaceable in tests). */
+    public switches: () => number = () => process.resourceUsage().involuntaryContextSwitches,
+    private readonly probeMs = 4,
+    private readonly minBackoffMs = 20,
+    private readonly maxBackoffMs = 640,
+  ) {
+    this.lastSwitches = switches();
+    this.backoff = minBackoffMs;
+  }
+
+  /** True while spinning should give way (called with performance.now() on an empty poll). */
+  contended(now: number): boolean {
+    if (now < this.until) return true;
+    if (now - this.lastProbe < this.probeMs) return false;
+    const first = this.lastProbe === -Infinity;
+    this.lastProbe = now;
+    const sw = this.switches();
+    const grew = sw > this.lastSwitches;
+    this.lastSwitches = sw;
+    // The first probe has no window behind it: it only takes the reading.
+    if (!grew || first) {
+      this.backoff = this.minBackoffMs;
+      return false;
+    }
+    this.until = now + this.backoff;
+    this.backoff = Math.min(this.backoff * 2, this.maxBackoffMs);
+    this.yields++;
+    return true;
+  }
+}
+
+/** The process's detector (every connection's poller asks the same one). */
+export const contention = new Contention();
 
 /** How completions are noticed: "event" (sleep until the device signals), "busy" (poll every event-loop turn) or "adaptive" (poll for spinUs after activity, then sleep). See RdmaBuilder.setPolling. */
 export type PollingMode = "event" | "busy" | "adaptive";
@@ -47,6 +104,7 @@ export class Poller {
     private readonly onCompletion: (b: CompletionBuffer, i: number) => void,
     /** After each drain (post batched receives, tear down when drained). */
     private readonly afterDrain: () => void,
+    private readonly detector: Contention = contention,
   ) {
     // A CQ whose completions only this thread's event loop produces (tcp) has nothing to
     // find between notifications: spinning there only takes CPU from the peer.
@@ -107,12 +165,14 @@ export class Poller {
       for (let i = 0; i < n; i++) this.onCompletion(b, i);
     }
     if (budget === 0) return this.schedule();
-    if (this.mode === "busy") {
+    // Preempted while spinning: another process needs this core; sleep on events for a while.
+    const giveWay = this.mode !== "event" && this.detector.contended(performance.now());
+    if (this.mode === "busy" && !giveWay) {
       // Busy: the CQ is never armed while the connection is open, so no completion ever
       // takes the event path (on verbs: channel read, ack and re-arm, three syscalls).
       return this.schedule();
     }
-    if (this.mode === "adaptive") {
+    if (this.mode === "adaptive" && !giveWay) {
       // Keep polling, unarmed, for a short bounded time after any activity: the next
       // completion often follows closely, and in a request/response exchange the answer
       // arrives while nothing is outstanding here. Then fall back to completion events.

@@ -9,6 +9,7 @@ import { RemoteLease } from "../../src/memory/mr.js";
 import { PROVIDER, apiPair, eventually, pattern, until, withApiPair } from "../support/api.js";
 import type { RdmaBuilder } from "../../src/index.js";
 import { SLOW } from "../support/seam.js";
+import { contention } from "../../src/agent/poller.js";
 
 function code(c: string) {
   return (e: unknown) => {
@@ -76,6 +77,38 @@ describe(`API data operations [${PROVIDER}]`, () => {
         assert.ok(performance.now() < end, `an Immediate is still scheduled after close (${process.getActiveResourcesInfo().join(", ")})`);
         await new Promise((r) => setTimeout(r, 1));
       }
+    });
+  }
+
+  for (const mode of ["busy", "adaptive"] as const) {
+    it(`polling ${mode} while this process is preempted (more pollers than cores): it gives way to completion events and the traffic completes`, async () => {
+      // The process's contention detector reads involuntary context switches; here they grow at
+      // every probe, as when 4 busy processes share 2 cores.
+      const real = contention.switches;
+      let sw = 0;
+      contention.switches = () => ++sw;
+      const yields0 = contention.yields;
+      const cfg = (b: RdmaBuilder) => b.setPolling(mode, 1_000_000);
+      try {
+        await withApiPair(async ({ server, client }) => {
+          for (let round = 0; round < 20; round++) {
+            using m = client.allocLocalMr(round === 10 ? 20_000 : 32);
+            m.bytes.set(pattern(m.length, round + 1));
+            const sent = client.send(m);
+            using got = await server.receive();
+            assert.deepEqual(got.bytes, pattern(m.length, round + 1), `round ${round}`);
+            await sent;
+            const rmr = await client.requestRemoteMr(8);
+            assert.equal(await client.fetchAndAdd(rmr, 1n), 0n);
+            rmr.dispose();
+          }
+        }, { server: cfg, client: cfg });
+      } finally {
+        contention.switches = real;
+      }
+      // tcp's CQs are event-driven: its pollers never spin, so never have anything to give up.
+      if (PROVIDER === "tcp") assert.equal(contention.yields, yields0, "tcp pollers do not spin");
+      else assert.ok(contention.yields > yields0, "the pollers gave way at least once");
     });
   }
 
