@@ -39,8 +39,10 @@ export class Contention {
   private lastSwitches: number;
   private until = -Infinity;
   private backoff: number;
-  /** Times spinning was given up for a back-off period (stats, tests). */
+  /** Back-off periods started (stats, tests). */
   yields = 0;
+  /** Empty polls after which a busy or adaptive poller slept on events because of contention. */
+  gaveWay = 0;
 
   constructor(
     /** The process's involuntary context switches so far (replaceable in tests). */
@@ -167,6 +169,7 @@ export class Poller {
     if (budget === 0) return this.schedule();
     // Preempted while spinning: another process needs this core; sleep on events for a while.
     const giveWay = this.mode !== "event" && this.detector.contended(performance.now());
+    if (giveWay) this.detector.gaveWay++;
     if (this.mode === "busy" && !giveWay) {
       // Busy: the CQ is never armed while the connection is open, so no completion ever
       // takes the event path (on verbs: channel read, ack and re-arm, three syscalls).
