@@ -935,6 +935,52 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
   );
 
   it(
+    "a READ response through a grant over part of a buffer, still queued when the grant and then the buffer's owner are deregistered: the peer gets exactly the granted bytes",
+    () =>
+      withFakePeer(async (p) => {
+        // The agent's shape: an owner registration (allocLocalMr) and a second registration over
+        // part of it (a grant or share) that the peer READs through.
+        const SIZE = 16 << 20;
+        const OFF = 4096;
+        const owner = p.side.pd.registerMr(SIZE + 2 * OFF, Access.LOCAL_WRITE);
+        bytes(owner).fill(0x55);
+        bytes(owner).fill(0xab, OFF, OFF + SIZE);
+        const grant = p.side.pd.registerMr((owner as unknown as { buffer: ArrayBuffer }).buffer, Access.LOCAL_WRITE | Access.REMOTE_READ, OFF, SIZE);
+        p.outS.sock.pause();
+        let seen = 0;
+        let payload = 0;
+        let foreign = 0;
+        p.outS.sock.on("data", (c: Buffer) => {
+          for (let i = 0; i < c.length; i++, seen++) {
+            if (seen < HEADER_LEN) continue;
+            payload++;
+            if (c[i] !== 0xab) foreign++;
+          }
+          p.w.poke();
+        });
+        const psn = nextPsn(p);
+        p.outS.sock.write(hdr(FrameType.READ_REQ, { psn, rkey: grant.rkey, raddr: grant.addr, aux: SIZE }));
+        const resp = p.qp as unknown as { respSock: net.Socket | null };
+        await p.w.until(() => (resp.respSock?.writableLength ?? 0) > 0, "the READ response to back up in the responder's socket", DEADLINE_MS, 1);
+        // The owner may not recycle the bytes under the queued write either.
+        assert.equal((owner as unknown as { renewBuffer(): boolean }).renewBuffer(), false, "the owner renewed (recycled) its buffer under a queued READ response");
+        grant.deregister();
+        owner.deregister();
+        v8.setFlagsFromString("--expose-gc");
+        const gc = vm.runInNewContext("gc") as () => void;
+        gc();
+        gc();
+        const churn: Uint8Array[] = [];
+        for (let i = 0; i < 8; i++) churn.push(new Uint8Array(SIZE / 8).fill(0x11));
+        p.outS.sock.resume();
+        await p.w.until(() => payload >= SIZE || p.outS.closed, "the whole READ response or the stream's end", DEADLINE_MS * 2);
+        assert.equal(foreign, 0, `${foreign} bytes of the READ response were not the granted bytes (freed or recycled memory sent to the peer)`);
+        assert.equal(payload, SIZE, `the READ response was cut after ${payload} of ${SIZE} bytes`);
+        assert.ok(churn.length > 0);
+      }),
+  );
+
+  it(
     "setError() with a big WRITE still queued, then deregister its source MR: no freed memory is read (EFAULT) or sent to the peer",
     () =>
       withFakePeer(async (p) => {
