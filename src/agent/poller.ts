@@ -29,8 +29,8 @@ import { CompletionBuffer, type CompletionQueue } from "../transport/types.js";
 
 /**
  * Is the CPU oversubscribed? Reads the process's involuntary context
- * switches (getrusage) at most every `probeMs` and, when they grew, says
- * "contended" for a back-off period: `minBackoffMs`, doubled on each
+ * switches (getrusage) at most every `probeMs` and, when they grew by
+ * `threshold` or more since the last reading, says "contended" for a back-off period: `minBackoffMs`, doubled on each
  * consecutive contended probe up to `maxBackoffMs`, back to the minimum after
  * a clean one.
  */
@@ -47,7 +47,11 @@ export class Contention {
   constructor(
     /** The process's involuntary context switches so far (replaceable in tests). */
     public switches: () => number = () => process.resourceUsage().involuntaryContextSwitches,
-    private readonly probeMs = 4,
+    // 10 ms and 2: with twice as many spinning processes as cores the kernel preempts each one
+    // every few milliseconds (CFS slices of ~3 ms); a single preemption by a short kernel
+    // thread or a helper thread of this process is not contention.
+    private readonly probeMs = 10,
+    private readonly threshold = 2,
     private readonly minBackoffMs = 20,
     private readonly maxBackoffMs = 640,
   ) {
@@ -62,7 +66,7 @@ export class Contention {
     const first = this.lastProbe === -Infinity;
     this.lastProbe = now;
     const sw = this.switches();
-    const grew = sw > this.lastSwitches;
+    const grew = sw - this.lastSwitches >= this.threshold;
     this.lastSwitches = sw;
     // The first probe has no window behind it: it only takes the reading.
     if (!grew || first) {

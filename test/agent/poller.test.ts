@@ -29,9 +29,20 @@ async function turns(n: number): Promise<void> {
 }
 
 describe("polling under CPU contention", () => {
+  it("a single preemption per probe window is not contention; two are", () => {
+    let sw = 0;
+    const c = new Contention(() => sw, 10, 2, 20, 40);
+    assert.equal(c.contended(0), false, "the first probe only takes a reading");
+    sw = 1;
+    assert.equal(c.contended(10), false, "one switch in the window");
+    sw = 3;
+    assert.equal(c.contended(20), true, "two switches in the window");
+    assert.equal(c.yields, 1);
+  });
+
   it("the detector says contended only after the involuntary switches grew, backs off exponentially and resets after a clean probe", () => {
     let sw = 100;
-    const c = new Contention(() => sw, 1, 10, 40);
+    const c = new Contention(() => sw, 1, 1, 10, 40);
     assert.equal(c.contended(0), false, "the first probe only takes a reading");
     assert.equal(c.contended(0.5), false, "no probe before probeMs");
     sw = 101; // preempted
@@ -52,7 +63,7 @@ describe("polling under CPU contention", () => {
   for (const mode of ["busy", "adaptive"] as const) {
     it(`${mode}: spins unarmed on an uncontended core, arms and stops spinning while preempted`, async () => {
       let sw = 0;
-      const det = new Contention(() => sw, 0, 1_000, 1_000);
+      const det = new Contention(() => sw, 0, 1, 1_000, 1_000);
       const cq = emptyCq();
       // spinUs large: adaptive would spin the whole test if not for the detector.
       const p = new Poller(cq, mode, 60_000_000, () => {}, () => {}, det);

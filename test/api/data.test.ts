@@ -86,7 +86,7 @@ describe(`API data operations [${PROVIDER}]`, () => {
       // every probe, as when 4 busy processes share 2 cores.
       const real = contention.switches;
       let sw = 0;
-      contention.switches = () => ++sw;
+      contention.switches = () => (sw += 100);
       const gaveWay0 = contention.gaveWay;
       const cfg = (b: RdmaBuilder) => b.setPolling(mode, 1_000_000);
       try {
