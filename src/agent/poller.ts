@@ -18,69 +18,141 @@
  * between two events cannot find anything, and spinning would only take CPU
  * from the peer on a machine with fewer cores than busy processes.
  *
- * Spinning pays only while this process has a core to itself. When the
- * kernel preempts it (involuntary context switches grow while it spins),
- * another runnable process wants the core, often the very peer whose
- * completion it waits for: busy and adaptive then sleep on completion events
- * (as "event" does) for a back-off period, and try spinning again after it.
- * One detector per process ({@link Contention}), shared by every poller.
+ * Spinning pays only while this process has a core to itself. When it
+ * waits for a core while runnable (another runnable process wants it, often
+ * the very peer whose completion it waits for), busy and adaptive sleep on
+ * completion events (as "event" does) for a back-off period, and try
+ * spinning again after it. One detector per thread ({@link Contention}),
+ * shared by every poller of that thread.
  */
+import { closeSync, openSync, readSync } from "node:fs";
 import { CompletionBuffer, type CompletionQueue } from "../transport/types.js";
 
+/** A cumulative reading of how much this thread was kept from running, and when that means contention. */
+export interface ContentionSignal {
+  readonly name: string;
+  /** Cumulative and non-decreasing. */
+  read(): number;
+  /** Did the reading grow by `delta` over `windowMs` of spinning because the CPU is oversubscribed? */
+  exceeded(delta: number, windowMs: number): boolean;
+}
+
 /**
- * Is the CPU oversubscribed? Reads the process's involuntary context
- * switches (getrusage) at most every `probeMs` and, when they grew by
- * `threshold` or more since the last reading, says "contended" for a back-off period: `minBackoffMs`, doubled on each
- * consecutive contended probe up to `maxBackoffMs`, back to the minimum after
- * a clean one.
+ * Linux schedstat: milliseconds this thread spent runnable but waiting for a
+ * CPU (/proc/thread-self/schedstat, second field), read with one pread on a
+ * descriptor kept open. Contention: a fifth of the window or more spent
+ * waiting. A short kernel thread or a helper thread of this process that
+ * takes the core for microseconds does not count; two spinning processes per
+ * core wait about half the time. Null where the file is missing.
+ */
+export function runQueueWait(): ContentionSignal | null {
+  let fd: number;
+  try {
+    fd = openSync("/proc/thread-self/schedstat", "r");
+  } catch {
+    return null;
+  }
+  const buf = Buffer.alloc(96);
+  const read = (): number => {
+    const n = readSync(fd, buf, 0, buf.length, 0);
+    const text = buf.toString("latin1", 0, n);
+    const a = text.indexOf(" ");
+    return Number(text.slice(a + 1, text.indexOf(" ", a + 1))) / 1e6;
+  };
+  try {
+    if (!Number.isFinite(read())) throw new Error("unexpected schedstat");
+  } catch {
+    closeSync(fd);
+    return null;
+  }
+  return { name: "run-queue wait", read, exceeded: (delta, windowMs) => delta >= 0.2 * windowMs };
+}
+
+/** Fallback: the process's involuntary context switches (getrusage; all threads); two in a window. */
+export const involuntarySwitches: ContentionSignal = {
+  name: "involuntary context switches",
+  read: () => process.resourceUsage().involuntaryContextSwitches,
+  exceeded: (delta) => delta >= 2,
+};
+
+/**
+ * Is the CPU oversubscribed? Takes a reading of its signal at most every
+ * `probeMs` of spinning and, when the signal says so for that window, says
+ * "contended" for a back-off period: `minBackoffMs`, doubled on each
+ * consecutive contended window up to `maxBackoffMs`, back to the minimum
+ * after a clean one. A window that was not all spinning (the first one, one
+ * longer than `staleMs` (twice `probeMs`), the one right after a back-off) only takes a
+ * reading: the time asleep in it says nothing either way.
  */
 export class Contention {
   private lastProbe = -Infinity;
-  private lastSwitches: number;
+  private last = 0;
   private until = -Infinity;
+  private afterBackoff = false;
   private backoff: number;
+  private sig: ContentionSignal | null = null;
   /** Back-off periods started (stats, tests). */
   yields = 0;
   /** Empty polls after which a busy or adaptive poller slept on events because of contention. */
   gaveWay = 0;
 
   constructor(
-    /** The process's involuntary context switches so far (replaceable in tests). */
-    public switches: () => number = () => process.resourceUsage().involuntaryContextSwitches,
-    // 10 ms and 2: with twice as many spinning processes as cores the kernel preempts each one
-    // every few milliseconds (CFS slices of ~3 ms); a single preemption by a short kernel
-    // thread or a helper thread of this process is not contention.
+    /** Chosen at the first probe when not given: run-queue wait, else involuntary switches. */
+    signal: ContentionSignal | null = null,
     private readonly probeMs = 10,
-    private readonly threshold = 2,
     private readonly minBackoffMs = 20,
     private readonly maxBackoffMs = 640,
+    /** A window longer than this was not all spinning. */
+    private readonly staleMs = 2 * probeMs,
   ) {
-    this.lastSwitches = switches();
+    this.sig = signal;
     this.backoff = minBackoffMs;
+  }
+
+  get signal(): ContentionSignal {
+    return (this.sig ??= runQueueWait() ?? involuntarySwitches);
+  }
+
+  /** Replaces the signal (tests) and forgets every reading and back-off. */
+  reset(signal: ContentionSignal | null = this.sig): void {
+    this.sig = signal;
+    this.lastProbe = -Infinity;
+    this.until = -Infinity;
+    this.afterBackoff = false;
+    this.backoff = this.minBackoffMs;
+  }
+
+  /** Inside a back-off period: pollers sleep on events. */
+  inBackoff(now: number): boolean {
+    return now < this.until;
   }
 
   /** True while spinning should give way (called with performance.now() on an empty poll). */
   contended(now: number): boolean {
     if (now < this.until) return true;
-    if (now - this.lastProbe < this.probeMs) return false;
-    const first = this.lastProbe === -Infinity;
+    const window = now - this.lastProbe;
+    if (window < this.probeMs) return false;
+    const v = this.signal.read();
+    const delta = v - this.last;
+    this.last = v;
     this.lastProbe = now;
-    const sw = this.switches();
-    const grew = sw - this.lastSwitches >= this.threshold;
-    this.lastSwitches = sw;
-    // The first probe has no window behind it: it only takes the reading.
-    if (!grew || first) {
+    if (window > this.staleMs || this.afterBackoff) {
+      this.afterBackoff = false;
+      return false;
+    }
+    if (!this.signal.exceeded(delta, window)) {
       this.backoff = this.minBackoffMs;
       return false;
     }
     this.until = now + this.backoff;
+    this.afterBackoff = true;
     this.backoff = Math.min(this.backoff * 2, this.maxBackoffMs);
     this.yields++;
     return true;
   }
 }
 
-/** The process's detector (every connection's poller asks the same one). */
+/** This thread's detector (every connection's poller asks the same one). */
 export const contention = new Contention();
 
 /** How completions are noticed: "event" (sleep until the device signals), "busy" (poll every event-loop turn) or "adaptive" (poll for spinUs after activity, then sleep). See RdmaBuilder.setPolling. */
@@ -142,7 +214,8 @@ export class Poller {
   /** A list of `n` work requests was just posted, `outstanding` now in the send queue. */
   afterPost(n: number, outstanding: number): void {
     this.lastActivity = performance.now();
-    if (this.mode === "event") return;
+    // In a back-off period the poller is armed (or already scheduled): no poll, no spin.
+    if (this.mode === "event" || this.detector.inBackoff(this.lastActivity)) return;
     // Only when nothing else was outstanding (a request/response step): with a window in
     // flight the poll loop is already running and an extra poll per post only costs.
     if (outstanding === n && this.syncPolls < SYNC_POLLS) {
@@ -171,8 +244,9 @@ export class Poller {
       for (let i = 0; i < n; i++) this.onCompletion(b, i);
     }
     if (budget === 0) return this.schedule();
-    // Preempted while spinning: another process needs this core; sleep on events for a while.
-    const giveWay = this.mode !== "event" && this.detector.contended(performance.now());
+    // Kept waiting for a core while spinning: another process needs it; sleep on events for a while.
+    const now = performance.now();
+    const giveWay = this.mode !== "event" && this.detector.contended(now);
     if (giveWay) this.detector.gaveWay++;
     if (this.mode === "busy" && !giveWay) {
       // Busy: the CQ is never armed while the connection is open, so no completion ever
@@ -183,7 +257,6 @@ export class Poller {
       // Keep polling, unarmed, for a short bounded time after any activity: the next
       // completion often follows closely, and in a request/response exchange the answer
       // arrives while nothing is outstanding here. Then fall back to completion events.
-      const now = performance.now();
       if (budget < POLL_BUDGET) this.lastActivity = now;
       if (now - this.lastActivity < this.spinUs / 1000) return this.schedule();
     }

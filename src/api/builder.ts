@@ -181,8 +181,8 @@ export class RdmaBuilder {
    * "busy": poll every event-loop turn while the connection is open, never arming the CQ
    * (lowest latency; one core spins per process). "adaptive" (default): poll, unarmed,
    * for `spinUs` after any activity, then arm. Busy and adaptive sleep on events for a
-   * while (20 ms, doubling up to 640 ms) when the kernel keeps preempting the spinning
-   * process: more busy processes than cores.
+   * while (20 ms, doubling up to 640 ms) when the spinning thread keeps waiting for a core:
+   * more busy processes than cores.
    */
   setPolling(mode: PollingMode, spinUs?: number): this {
     if (mode !== "event" && mode !== "busy" && mode !== "adaptive") throw new RdmaError("INVALID_ARGUMENT", `polling must be "event", "busy" or "adaptive", got ${String(mode)}`);

@@ -1,11 +1,11 @@
 /**
- * Busy and adaptive polling give way when the process is preempted while it
- * spins (more pollers than cores): the contention detector, and what the
- * poller does with its answer, on a scripted completion queue.
+ * Busy and adaptive polling give way when the process waits for a core
+ * while it spins (more pollers than cores): the contention detector, and
+ * what the poller does with its answer, on a scripted completion queue.
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { Contention, Poller } from "../../src/agent/poller.js";
+import { Contention, Poller, runQueueWait, type ContentionSignal } from "../../src/agent/poller.js";
 import type { CompletionBuffer, CompletionQueue, Device } from "../../src/transport/types.js";
 
 /** A CQ with nothing in it that counts how often it was armed. */
@@ -23,64 +23,106 @@ function emptyCq(): CompletionQueue & { arms: number } {
   };
 }
 
-/** Runs the poller's scheduled turns until it stops scheduling or `turns` ran. */
+/** A scripted signal: contention is `value` growing by 5 or more in a window. */
+function scripted(): ContentionSignal & { value: number } {
+  return {
+    name: "scripted",
+    value: 0,
+    read() {
+      return this.value;
+    },
+    exceeded: (delta) => delta >= 5,
+  };
+}
+
+/** Runs the event loop's check phase `n` times (the poller's scheduled turns). */
 async function turns(n: number): Promise<void> {
   for (let i = 0; i < n; i++) await new Promise((r) => setImmediate(r));
 }
 
 describe("polling under CPU contention", () => {
-  it("a single preemption per probe window is not contention; two are", () => {
-    let sw = 0;
-    const c = new Contention(() => sw, 10, 2, 20, 40);
+  it("the detector judges each window of spinning by its signal, backs off exponentially and resets after a clean window", () => {
+    const sig = scripted();
+    const c = new Contention(sig, 10, 20, 80);
     assert.equal(c.contended(0), false, "the first probe only takes a reading");
-    sw = 1;
-    assert.equal(c.contended(10), false, "one switch in the window");
-    sw = 3;
-    assert.equal(c.contended(20), true, "two switches in the window");
-    assert.equal(c.yields, 1);
-  });
-
-  it("the detector says contended only after the involuntary switches grew, backs off exponentially and resets after a clean probe", () => {
-    let sw = 100;
-    const c = new Contention(() => sw, 1, 1, 10, 40);
-    assert.equal(c.contended(0), false, "the first probe only takes a reading");
-    assert.equal(c.contended(0.5), false, "no probe before probeMs");
-    sw = 101; // preempted
-    assert.equal(c.contended(0.9), false, "still inside the probe interval");
-    assert.equal(c.contended(2), true, "preempted since the last probe");
-    assert.equal(c.contended(11.9), true, "inside the first back-off (10 ms)");
-    assert.equal(c.contended(12.1), false, "back-off over, and no new switch");
-    sw = 102;
-    assert.equal(c.contended(13.2), true);
-    assert.equal(c.contended(22), true, "back-off 10 ms again after a clean probe");
-    sw = 103;
-    assert.equal(c.contended(24), true, "a second contended probe in a row…");
-    assert.equal(c.contended(24 + 19), true, "…doubles the back-off (20 ms)");
-    assert.equal(c.contended(24 + 21), false);
+    sig.value = 100;
+    assert.equal(c.contended(5), false, "no probe inside probeMs");
+    assert.equal(c.contended(10), true, "a window whose signal says so");
+    assert.equal(c.inBackoff(29), true, "back-off of 20 ms");
+    assert.equal(c.contended(29), true);
+    assert.equal(c.contended(31), false, "the window after a back-off only takes a reading");
+    sig.value = 200;
+    assert.equal(c.contended(41), true, "contended again…");
+    assert.equal(c.contended(41 + 39), true, "…for twice as long (40 ms)");
+    assert.equal(c.contended(41 + 41), false, "reading after the back-off");
+    sig.value = 201;
+    assert.equal(c.contended(92), false, "a clean window…");
+    sig.value = 300;
+    assert.equal(c.contended(102), true, "…resets the back-off to 20 ms");
+    assert.equal(c.inBackoff(121), true);
+    assert.equal(c.inBackoff(123), false);
     assert.equal(c.yields, 3);
   });
 
+  it("a window longer than twice probeMs (the poller slept in it) is not judged, whatever its signal", () => {
+    const sig = scripted();
+    const c = new Contention(sig, 10, 20, 80);
+    c.contended(0);
+    sig.value = 1_000;
+    assert.equal(c.contended(5_000), false, "5 s since the last probe: only a reading");
+    sig.value = 1_001;
+    assert.equal(c.contended(5_010), false, "then a clean 10 ms window");
+    assert.equal(c.yields, 0);
+  });
+
+  it("reset() forgets the back-off and readings (tests restore the process's detector with it)", () => {
+    const sig = scripted();
+    const c = new Contention(sig, 10, 20, 80);
+    c.contended(0);
+    sig.value = 50;
+    assert.equal(c.contended(10), true);
+    c.reset();
+    assert.equal(c.inBackoff(11), false);
+    assert.equal(c.contended(11), false, "first probe after reset only reads");
+  });
+
+  it("on Linux, the run-queue wait of this thread is readable and grows only by time spent waiting", { skip: process.platform !== "linux" && "Linux only" }, () => {
+    const sig = runQueueWait();
+    assert.ok(sig, "/proc/thread-self/schedstat is readable");
+    const a = sig.read();
+    const b = sig.read();
+    assert.ok(Number.isFinite(a) && b >= a, `readings ${a} then ${b}`);
+  });
+
   for (const mode of ["busy", "adaptive"] as const) {
-    it(`${mode}: spins unarmed on an uncontended core, arms and stops spinning while preempted`, async () => {
-      let sw = 0;
-      const det = new Contention(() => sw, 0, 1, 1_000, 1_000);
+    it(`${mode}: spins unarmed on an uncontended core, arms and stops spinning while contended`, async () => {
+      const sig = scripted();
+      const det = new Contention(sig, 0, 1_000, 1_000, Infinity);
       const cq = emptyCq();
       // spinUs large: adaptive would spin the whole test if not for the detector.
       const p = new Poller(cq, mode, 60_000_000, () => {}, () => {}, det);
-      const armedAtStart = cq.arms;
-      p.start();
-      await turns(20);
-      const armsUncontended = cq.arms - armedAtStart;
-      assert.equal(armsUncontended, mode === "busy" ? 0 : 1, "busy never arms; adaptive arms once at start, then spins");
-      assert.ok(process.getActiveResourcesInfo().includes("Immediate"), "still spinning");
-      sw = 5; // the kernel preempted us while we spun
-      await turns(5);
-      assert.ok(cq.arms > armedAtStart + armsUncontended, "armed: completions now come as events");
-      assert.equal(det.yields, 1);
-      // Contended: the poller sleeps; no Immediate remains scheduled by it.
-      await turns(3);
-      assert.ok(!process.getActiveResourcesInfo().includes("Immediate"), `no spinning while contended (${process.getActiveResourcesInfo().join(", ")})`);
-      p.stop();
+      try {
+        p.start();
+        await turns(20);
+        const armsUncontended = cq.arms;
+        assert.equal(armsUncontended, mode === "busy" ? 0 : 1, "busy never arms; adaptive arms once at start, then spins");
+        assert.ok(process.getActiveResourcesInfo().includes("Immediate"), "still spinning");
+        sig.value = 1_000; // this thread waited for a core while it spun
+        await turns(5);
+        assert.ok(cq.arms > armsUncontended, "armed: completions now come as events");
+        assert.equal(det.yields, 1);
+        assert.ok(det.gaveWay >= 1);
+        // Contended: the poller sleeps; no Immediate remains scheduled by it, and a post neither
+        // polls nor schedules one.
+        await turns(3);
+        const armsNow = cq.arms;
+        p.afterPost(1, 1);
+        assert.equal(cq.arms, armsNow, "a post in a back-off period does not poll");
+        await turns(2);
+        assert.ok(!process.getActiveResourcesInfo().includes("Immediate"), `no spinning while contended (${process.getActiveResourcesInfo().join(", ")})`);
+      } finally {
+        p.stop();
+      }
     });
   }
 });

@@ -81,12 +81,11 @@ describe(`API data operations [${PROVIDER}]`, () => {
   }
 
   for (const mode of ["busy", "adaptive"] as const) {
-    it(`polling ${mode} while this process is preempted (more pollers than cores): it gives way to completion events and the traffic completes`, async () => {
-      // The process's contention detector reads involuntary context switches; here they grow at
-      // every probe, as when 4 busy processes share 2 cores.
-      const real = contention.switches;
-      let sw = 0;
-      contention.switches = () => (sw += 100);
+    it(`polling ${mode} while this process waits for a core (more pollers than cores): it gives way to completion events and the traffic completes`, async () => {
+      // The thread's contention detector: here its signal always says "contended", as when 4 busy
+      // processes share 2 cores.
+      const real = contention.signal;
+      contention.reset({ name: "always", read: () => performance.now(), exceeded: () => true });
       const gaveWay0 = contention.gaveWay;
       const cfg = (b: RdmaBuilder) => b.setPolling(mode, 1_000_000);
       try {
@@ -104,7 +103,7 @@ describe(`API data operations [${PROVIDER}]`, () => {
           }
         }, { server: cfg, client: cfg });
       } finally {
-        contention.switches = real;
+        contention.reset(real);
       }
       // tcp's CQs are event-driven: its pollers never spin, so never have anything to give up.
       if (PROVIDER === "tcp") assert.equal(contention.gaveWay, gaveWay0, "tcp pollers do not spin");
