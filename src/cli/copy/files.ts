@@ -117,42 +117,81 @@ const O_TMPFILE = 0o20200000;
  * aligned is split per page on its way to the device: measured here, 1 MiB
  * writes ran at ~115 MB/s from 512-aligned memory and ~1 GB/s from
  * page-aligned memory. JavaScript cannot see an address, so this finds the
- * buffer in the process's own memory: a random marker written at its start
- * is looked up in the mappings of about its size (/proc/self/maps and
- * /proc/self/mem, Linux only); a large ArrayBuffer is a mapping of its own.
+ * buffer in the process's own memory (/proc/self/maps and /proc/self/mem,
+ * Linux only): a random marker written at its start is looked for in the
+ * writable mappings large enough to hold it, first at their starts (where a
+ * fresh large allocation lands), then through the whole of those up to
+ * SCAN_MAX bytes (the allocator's heap); a hit counts only when a second
+ * marker written into the buffer shows up at the same address.
  */
 export function pageOffset(buf: Uint8Array): number | null {
   if (process.platform !== "linux" || buf.length < 2 * DIRECT_ALIGN) return null;
-  const mark = randomBytes(32);
-  buf.set(mark, 0);
   let fd: number;
+  let maps: string;
   try {
+    maps = readFileSync("/proc/self/maps", "utf8");
     fd = openSync("/proc/self/mem", "r");
   } catch {
     return null;
   }
+  const saved = buf.slice(0, MARK);
   try {
-    const look = Buffer.alloc(64 * 1024 + mark.length);
-    for (const line of readFileSync("/proc/self/maps", "utf8").split("\n")) {
+    const ranges: [bigint, number][] = [];
+    for (const line of maps.split("\n")) {
       const m = /^([0-9a-f]+)-([0-9a-f]+) rw/.exec(line);
       if (!m) continue;
       const lo = BigInt("0x" + m[1]!);
       const size = Number(BigInt("0x" + m[2]!) - lo);
-      if (size < buf.length || size > buf.length + 64 * 1024) continue;
+      if (size >= buf.length) ranges.push([lo, size]);
+    }
+    const mark = randomBytes(MARK);
+    buf.set(mark, 0);
+    const block = Buffer.alloc(SCAN_BLOCK + MARK);
+    const found = (lo: bigint, len: number): bigint | null => {
       let n: number;
       try {
-        n = readSync(fd, look, 0, Math.min(look.length, size), lo);
+        n = readSync(fd, block, 0, len, lo);
       } catch {
-        continue;
+        return null;
       }
-      const at = look.subarray(0, n).indexOf(mark);
-      if (at >= 0) return (DIRECT_ALIGN - Number((lo + BigInt(at)) % BigInt(DIRECT_ALIGN))) % DIRECT_ALIGN;
+      for (let at = block.subarray(0, n).indexOf(mark); at >= 0; at = block.subarray(0, n).indexOf(mark, at + 1)) {
+        const addr = lo + BigInt(at);
+        // the marker's own copy (or any other) is not the buffer: a second marker must appear there
+        const again = randomBytes(MARK);
+        buf.set(again, 0);
+        const check = Buffer.alloc(MARK);
+        let ok = false;
+        try {
+          ok = readSync(fd, check, 0, MARK, addr) === MARK && check.equals(again);
+        } catch {
+          /* unreadable */
+        }
+        buf.set(mark, 0);
+        if (ok) return addr;
+      }
+      return null;
+    };
+    const offsetOf = (addr: bigint): number => (DIRECT_ALIGN - Number(addr % BigInt(DIRECT_ALIGN))) % DIRECT_ALIGN;
+    for (const [lo, size] of ranges) {
+      const a = found(lo, Math.min(size, 64 * 1024));
+      if (a !== null) return offsetOf(a);
+    }
+    for (const [lo, size] of ranges) {
+      if (size > SCAN_MAX) continue;
+      for (let off = SCAN_BLOCK - MARK; off < size; off += SCAN_BLOCK) {
+        const a = found(lo + BigInt(off), Math.min(size - off, SCAN_BLOCK + MARK));
+        if (a !== null) return offsetOf(a);
+      }
     }
     return null;
   } finally {
+    buf.set(saved, 0);
     closeSync(fd);
   }
 }
+const MARK = 32;
+const SCAN_BLOCK = 1024 * 1024;
+const SCAN_MAX = 256 * 1024 * 1024;
 
 /**
  * The offset into `buf` where a page starts, when an O_DIRECT write from
