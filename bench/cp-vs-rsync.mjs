@@ -98,12 +98,19 @@ function waitLine(child, re) {
   });
 }
 
-/** Runs a client under /usr/bin/time; { wall, cpu } (its user + sys). */
-function timed(cmd0, args0, env = {}) {
+/** Runs a client under /usr/bin/time; { wall, cpu } (its user + sys). Not spawnSync: a signal must reach the handlers meanwhile. */
+async function timed(cmd0, args0, env = {}) {
   const out = join(work, "time.txt");
   const [cmd, args] = inClient(cmd0, args0);
-  const r = spawnSync("/usr/bin/time", ["-f", "%e %U %S", "-o", out, cmd, ...args], { encoding: "utf8", stdio: ["ignore", "pipe", "pipe"], env: { ...process.env, ...env } });
-  if (r.status !== 0) throw new Error(`${cmd} ${args.join(" ")} failed (${r.status}):\n${r.stdout}\n${r.stderr}`);
+  const child = spawn("/usr/bin/time", ["-f", "%e %U %S", "-o", out, cmd, ...args], { stdio: ["ignore", "pipe", "pipe"], env: { ...process.env, ...env }, detached: true });
+  child.group = true; // its own process group: killed with the client under it
+  kids.push(child);
+  let text = "";
+  child.stdout.on("data", (d) => (text += d));
+  child.stderr.on("data", (d) => (text += d));
+  const status = await new Promise((r) => child.on("close", (code) => r(code)));
+  kids.splice(kids.indexOf(child), 1);
+  if (status !== 0) throw new Error(`${cmd} ${args.join(" ")} failed (${status}):\n${text}`);
   const [e, u, s] = readFileSync(out, "utf8").trim().split("\n").pop().split(" ").map(Number);
   return { wall: e, cpu: u + s };
 }
@@ -127,8 +134,22 @@ const dst = { "rsync-fsync": join(work, "dst-rsync-fsync"), ours: join(work, "ds
 for (const d of [src, ...Object.values(dst)]) mkdirSync(d, { recursive: true });
 const kids = [];
 /** Kills the servers, waits for them to exit, removes their cgroups and the work dir. */
-async function cleanup() {
-  await Promise.all(kids.map((k) => (k.exitCode !== null || k.signalCode !== null ? null : new Promise((r) => (k.once("exit", r), k.kill("SIGKILL"))))));
+let cleaning = null;
+function cleanup() {
+  return (cleaning ??= cleanupOnce());
+}
+async function cleanupOnce() {
+  await Promise.all(
+    kids.map((k) =>
+      k.exitCode !== null || k.signalCode !== null
+        ? null
+        : new Promise((r) => {
+            k.once("exit", r);
+            if (k.group) process.kill(-k.pid, "SIGKILL");
+            else k.kill("SIGKILL");
+          }),
+    ),
+  );
   // a server's children (ours keeps a shell for syncfs) leave its group a moment after it:
   // retry on the next turns of the event loop, for at most 10 s
   const t0 = performance.now();
@@ -148,7 +169,10 @@ async function cleanup() {
   }
   rmSync(work, { recursive: true, force: true });
 }
-process.on("SIGINT", () => void cleanup().finally(() => process.exit(130))); // the namespaces go on exit (netnsUp)
+// ^C or kill: servers and clients killed, cgroups and work dir removed, then exit (the namespaces go on exit, netnsUp)
+process.removeAllListeners("SIGINT");
+process.removeAllListeners("SIGTERM");
+for (const sig of ["SIGINT", "SIGTERM"]) process.on(sig, () => void cleanup().finally(() => process.exit(130)));
 try {
 
 console.error(`# work dir ${work}; creating a ${opt.size} file and ${opt.files} files of 4 KiB`);
@@ -251,7 +275,7 @@ for (const [what, bytes] of cases) {
       spawnSync("sync"); // the previous run's write-back does not land in this one
       const before = cpuOf(t.server.pid);
       const [cmd, args] = t[what]();
-      const c = timed(cmd, args, t.env);
+      const c = await timed(cmd, args, t.env);
       const server = cpuOf(t.server.pid) - before;
       const r = { what, tool: name, run, seconds: c.wall, mbps: bytes / c.wall / 1e6, cpuClient: c.cpu, cpuServer: server, cpu: c.cpu + server };
       results.push(r);
