@@ -15,12 +15,12 @@
  */
 import { lstat, realpath, stat } from "node:fs/promises";
 import { realpathSync } from "node:fs";
-import { basename, join, posix } from "node:path";
+import { basename, dirname, join, posix } from "node:path";
 import { RpcClient, RpcError } from "../rpc/index.js";
 import { RdmaError, type LocalMr, type Rdma, type RemoteMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./copy/common.js";
 import { checkRel, CopyError, resolveInsideSync, withPath } from "./copy/paths.js";
-import { chunkCount, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
+import { allocRing, chunkCount, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
 import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
 import { encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
@@ -159,25 +159,28 @@ class Session {
     readonly readOnly: boolean,
     readonly opts: Options,
     readonly p: Progress,
+    /** The ring is aligned for O_DIRECT writes (downloads' FileSink). */
+    readonly direct: boolean,
   ) {
     this.slots = new Slots(depth);
     this.local = ring.bytes;
   }
 
-  static async open(r: Remote, opts: Options, p: Progress): Promise<Session> {
+  /** `directDir`: downloads write under this local directory (the ring is aligned for it). */
+  static async open(r: Remote, opts: Options, p: Progress, directDir: string | null): Promise<Session> {
     const b = builderFor(opts.provider, opts.keyFile).setPeerTimeout(10_000);
     const rdma = await b.connect({ host: r.host, port: r.port });
     try {
       const rpc = new RpcClient(rdma);
       // the server may grant fewer slots, never another chunk size: this ring is big enough
-      const ring = rdma.allocLocalMr(opts.chunk * opts.depth);
+      const { ring, direct } = allocRing(rdma, opts.chunk * opts.depth, opts.chunk, directDir);
       if (PULL) rdma.share("cp-client-ring", ring, { access: "read" });
       const h = fromJson(await rpc.call("hello", toJson({ version: 1, chunk: opts.chunk, depth: opts.depth, verify: opts.verify, pull: PULL })));
       const chunk = Number(h.chunk);
       const depth = Number(h.depth);
       if (chunk !== opts.chunk || !(depth >= 1 && depth <= opts.depth)) throw new CopyError("PROTOCOL", `the server answered chunk ${chunk}, depth ${depth}`);
       const rmr = await rdma.openSharedMr(String(h.ring));
-      return new Session(rdma, rpc, ring, rmr, chunk, depth, h.readOnly === true, opts, p);
+      return new Session(rdma, rpc, ring, rmr, chunk, depth, h.readOnly === true, opts, p, direct);
     } catch (e) {
       await rdma.close().catch(() => {});
       throw e;
@@ -554,7 +557,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
       let sink: FileSink | null = null;
       try {
         const meta = { size: Number(o.size), mode: Number(o.mode), mtimeMs: Number(o.mtimeMs) };
-        sink = await FileSink.open(at_(i), meta, s.chunk, s.opts.resume, s.opts.verify);
+        sink = await FileSink.open(at_(i), meta, s.chunk, s.opts.resume, s.opts.verify, s.direct);
         let first = 0;
         if (sink.existing.length > 0) {
           const theirs = (await s.call("sums", { id, count: sink.existing.length })).crcs as number[];
@@ -587,6 +590,11 @@ async function download(s: Session, items: Item[]): Promise<void> {
 }
 
 // ---------------------------------------------------------------- command
+
+/** The directory a download into `dest` writes under: dest itself, or its parent. */
+async function directoryOf(dest: string): Promise<string> {
+  return (await stat(dest).catch(() => null))?.isDirectory() === true ? dest : dirname(dest) || ".";
+}
 
 export async function cp(args: string[]): Promise<number> {
   const opts: Options = { recursive: false, resume: false, verify: true, chunk: DEFAULT_CHUNK, depth: DEFAULT_DEPTH, provider: undefined, keyFile: undefined, mode: "human" };
@@ -628,7 +636,7 @@ export async function cp(args: string[]): Promise<number> {
   const p = new Progress(opts.mode);
   let s: Session;
   try {
-    s = await Session.open(remote, opts, p);
+    s = await Session.open(remote, opts, p, up ? null : await directoryOf(dest));
   } catch (e) {
     p.fail(`${remote.host}:${remote.port}`, codeOf(e), msgOf(e));
     p.summary();

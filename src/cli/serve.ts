@@ -13,7 +13,7 @@ import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
 import { checkLinkTarget, checkRel, CopyError, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
-import { chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
+import { allocRing, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
 import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
 import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str, toJson, VERSION, type Result, type SmallResult } from "./copy/protocol.js";
 
@@ -55,6 +55,8 @@ class Session {
   chunk = 0;
   depth = 0;
   verify = true;
+  /** The ring is aligned for O_DIRECT writes (FileSink). */
+  direct = false;
   /** Ring bytes this session counts in ringBytes. */
   counted = 0;
   private readonly busy = new Set<number>();
@@ -151,7 +153,9 @@ function handlers(s: Session): Record<string, RpcHandler> {
       s.chunk = chunk;
       s.depth = depth;
       s.verify = o.verify !== false;
-      s.ring = s.rdma.allocLocalMr(chunk * depth);
+      const r = allocRing(s.rdma, chunk * depth, chunk, s.opts.readOnly ? null : s.opts.root);
+      s.ring = r.ring;
+      s.direct = r.direct;
       s.bytes = s.ring.bytes;
       // exactly the ring, to this connection only; read-only servers never let a client write
       s.share = s.rdma.share("cp-ring", s.ring, { access: s.opts.readOnly ? "read" : "write" });
@@ -215,7 +219,7 @@ function handlers(s: Session): Record<string, RpcHandler> {
       const meta = { size: int(o, "size"), mode: int(o, "mode", 0, 0o7777), mtimeMs: num(o, "mtimeMs", -1e15, 1e15) };
       const id = s.id();
       try {
-        const sink = await FileSink.open(abs, meta, s.chunk, o.resume === true, s.verify);
+        const sink = await FileSink.open(abs, meta, s.chunk, o.resume === true, s.verify, s.direct);
         s.sinks.set(id, { sink, rel });
         return { id, existing: sink.existing };
       } catch (e) {
