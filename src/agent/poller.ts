@@ -79,8 +79,7 @@ export const involuntarySwitches: ContentionSignal = {
  * Is the CPU oversubscribed? Takes a reading of its signal at most every
  * `probeMs` of spinning and, when the signal says so for that window, says
  * "contended" for a back-off period: `minBackoffMs`, doubled on each
- * consecutive contended window up to `maxBackoffMs`, back to the minimum
- * after a clean one. A window that was not all spinning (the first one, one
+ * contended window up to `maxBackoffMs`, halved on each clean one. A window that was not all spinning (the first one, one
  * longer than `staleMs` (twice `probeMs`), the one right after a back-off) only takes a
  * reading: the time asleep in it says nothing either way.
  */
@@ -141,7 +140,9 @@ export class Contention {
       return false;
     }
     if (!this.signal.exceeded(delta, window)) {
-      this.backoff = this.minBackoffMs;
+      // Halved, not reset: when every poller of an oversubscribed machine backs off at once, the
+      // next window is clean for everybody, and a reset would have them all spin again together.
+      this.backoff = Math.max(this.minBackoffMs, this.backoff / 2);
       return false;
     }
     this.until = now + this.backoff;

@@ -41,7 +41,7 @@ async function turns(n: number): Promise<void> {
 }
 
 describe("polling under CPU contention", () => {
-  it("the detector judges each window of spinning by its signal, backs off exponentially and resets after a clean window", () => {
+  it("the detector judges each window of spinning by its signal, doubles the back-off on contended windows and halves it on clean ones", () => {
     const sig = scripted();
     const c = new Contention(sig, 10, 20, 80);
     assert.equal(c.contended(0), false, "the first probe only takes a reading");
@@ -56,12 +56,21 @@ describe("polling under CPU contention", () => {
     assert.equal(c.contended(41 + 39), true, "…for twice as long (40 ms)");
     assert.equal(c.contended(41 + 41), false, "reading after the back-off");
     sig.value = 201;
-    assert.equal(c.contended(92), false, "a clean window…");
+    assert.equal(c.contended(92), false, "a clean window halves the back-off (80 → 40 ms)…");
     sig.value = 300;
-    assert.equal(c.contended(102), true, "…resets the back-off to 20 ms");
-    assert.equal(c.inBackoff(121), true);
-    assert.equal(c.inBackoff(123), false);
-    assert.equal(c.yields, 3);
+    assert.equal(c.contended(102), true, "…so the next one lasts 40 ms");
+    assert.equal(c.inBackoff(141), true);
+    assert.equal(c.inBackoff(143), false);
+    assert.equal(c.contended(143), false, "reading after the back-off");
+    for (let t = 153, v = 301; t <= 193; t += 10, v++) {
+      sig.value = v;
+      assert.equal(c.contended(t), false, `clean window at ${t}`);
+    }
+    sig.value = 400;
+    assert.equal(c.contended(203), true, "after clean windows the back-off is down to the minimum (20 ms)");
+    assert.equal(c.inBackoff(222), true);
+    assert.equal(c.inBackoff(224), false);
+    assert.equal(c.yields, 4);
   });
 
   it("a window longer than twice probeMs (the poller slept in it) is not judged, whatever its signal", () => {
