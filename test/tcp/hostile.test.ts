@@ -894,91 +894,67 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
     );
   });
 
-  it(
-    "a READ response still queued when its MR is deregistered: the peer gets exactly the MR's bytes, never freed memory",
-    () =>
-      withFakePeer(async (p) => {
-        const SIZE = 16 << 20;
-        const m = p.side.pd.registerMr(SIZE, ALL_REMOTE);
-        bytes(m).fill(0xab);
-        // Stop reading: the response backs up into the kernel and then into the responder's socket queue.
-        p.outS.sock.pause();
-        let seen = 0;
-        let payload = 0;
-        let foreign = 0;
-        p.outS.sock.on("data", (c: Buffer) => {
-          for (let i = 0; i < c.length; i++, seen++) {
-            if (seen < HEADER_LEN) continue;
-            payload++;
-            if (c[i] !== 0xab) foreign++;
-          }
-          p.w.poke();
-        });
-        const psn = nextPsn(p);
-        p.outS.sock.write(hdr(FrameType.READ_REQ, { psn, rkey: m.rkey, raddr: m.addr, aux: SIZE }));
-        const resp = p.qp as unknown as { respSock: net.Socket | null };
-        await p.w.until(() => (resp.respSock?.writableLength ?? 0) > 0, "the READ response to back up in the responder's socket", DEADLINE_MS, 1);
-        m.deregister();
-        // Let the garbage collector free what deregister() released, and reuse the memory.
-        v8.setFlagsFromString("--expose-gc");
-        const gc = vm.runInNewContext("gc") as () => void;
-        gc();
-        gc();
-        const churn: Uint8Array[] = [];
-        for (let i = 0; i < 8; i++) churn.push(new Uint8Array(SIZE / 8).fill(0x11));
-        p.outS.sock.resume();
-        await p.w.until(() => payload >= SIZE || p.outS.closed, "the whole READ response or the stream's end", DEADLINE_MS * 2);
-        assert.equal(foreign, 0, `${foreign} bytes of the READ response were not the MR's bytes (freed memory sent to the peer)`);
-        assert.equal(payload, SIZE, `the READ response was cut after ${payload} of ${SIZE} bytes`);
-        assert.ok(churn.length > 0);
-      }),
-  );
+  /**
+   * The impostor READs `size` bytes of 0xab through `rkey`/`addr` and stops reading its stream, so
+   * the response backs up in the responder's socket queue; `whileQueued` runs then (deregisters);
+   * the garbage collector frees what was released and the memory is reused; then the impostor
+   * reads on: every byte it gets must be 0xab and the response whole.
+   */
+  async function readBackedUp(p: FakePeer, rkey: number, addr: number, size: number, whileQueued: () => void): Promise<void> {
+    p.outS.sock.pause();
+    let seen = 0;
+    let payload = 0;
+    let foreign = 0;
+    p.outS.sock.on("data", (c: Buffer) => {
+      for (let i = 0; i < c.length; i++, seen++) {
+        if (seen < HEADER_LEN) continue;
+        payload++;
+        if (c[i] !== 0xab) foreign++;
+      }
+      p.w.poke();
+    });
+    p.outS.sock.write(hdr(FrameType.READ_REQ, { psn: nextPsn(p), rkey, raddr: addr, aux: size }));
+    const resp = p.qp as unknown as { respSock: net.Socket | null };
+    await p.w.until(() => (resp.respSock?.writableLength ?? 0) > 0, "the READ response to back up in the responder's socket", DEADLINE_MS, 1);
+    whileQueued();
+    v8.setFlagsFromString("--expose-gc");
+    const gc = vm.runInNewContext("gc") as () => void;
+    gc();
+    gc();
+    const churn: Uint8Array[] = [];
+    for (let i = 0; i < 8; i++) churn.push(new Uint8Array(size / 8).fill(0x11));
+    p.outS.sock.resume();
+    await p.w.until(() => payload >= size || p.outS.closed, "the whole READ response or the stream's end", DEADLINE_MS * 2);
+    assert.equal(foreign, 0, `${foreign} bytes of the READ response were not the registered bytes (freed or recycled memory sent to the peer)`);
+    assert.equal(payload, size, `the READ response was cut after ${payload} of ${size} bytes`);
+    assert.ok(churn.length > 0);
+  }
 
-  it(
-    "a READ response through a grant over part of a buffer, still queued when the grant and then the buffer's owner are deregistered: the peer gets exactly the granted bytes",
-    () =>
-      withFakePeer(async (p) => {
-        // The agent's shape: an owner registration (allocLocalMr) and a second registration over
-        // part of it (a grant or share) that the peer READs through.
-        const SIZE = 16 << 20;
-        const OFF = 4096;
-        const owner = p.side.pd.registerMr(SIZE + 2 * OFF, Access.LOCAL_WRITE);
-        bytes(owner).fill(0x55);
-        bytes(owner).fill(0xab, OFF, OFF + SIZE);
-        const grant = p.side.pd.registerMr((owner as unknown as { buffer: ArrayBuffer }).buffer, Access.LOCAL_WRITE | Access.REMOTE_READ, OFF, SIZE);
-        p.outS.sock.pause();
-        let seen = 0;
-        let payload = 0;
-        let foreign = 0;
-        p.outS.sock.on("data", (c: Buffer) => {
-          for (let i = 0; i < c.length; i++, seen++) {
-            if (seen < HEADER_LEN) continue;
-            payload++;
-            if (c[i] !== 0xab) foreign++;
-          }
-          p.w.poke();
-        });
-        const psn = nextPsn(p);
-        p.outS.sock.write(hdr(FrameType.READ_REQ, { psn, rkey: grant.rkey, raddr: grant.addr, aux: SIZE }));
-        const resp = p.qp as unknown as { respSock: net.Socket | null };
-        await p.w.until(() => (resp.respSock?.writableLength ?? 0) > 0, "the READ response to back up in the responder's socket", DEADLINE_MS, 1);
+  it("a READ response still queued when its MR is deregistered: the peer gets exactly the MR's bytes, never freed memory", () =>
+    withFakePeer(async (p) => {
+      const SIZE = 16 << 20;
+      const m = p.side.pd.registerMr(SIZE, ALL_REMOTE);
+      bytes(m).fill(0xab);
+      await readBackedUp(p, m.rkey, m.addr, SIZE, () => m.deregister());
+    }));
+
+  it("a READ response through a grant over part of a buffer, still queued when the grant and then the buffer's owner are deregistered: the peer gets exactly the granted bytes", () =>
+    withFakePeer(async (p) => {
+      // The agent's shape: an owner registration (allocLocalMr) and a second registration over
+      // part of it (a grant or share) that the peer READs through.
+      const SIZE = 16 << 20;
+      const OFF = 4096;
+      const owner = p.side.pd.registerMr(SIZE + 2 * OFF, Access.LOCAL_WRITE);
+      bytes(owner).fill(0x55);
+      bytes(owner).fill(0xab, OFF, OFF + SIZE);
+      const grant = p.side.pd.registerMr((owner as unknown as { buffer: ArrayBuffer }).buffer, Access.LOCAL_WRITE | Access.REMOTE_READ, OFF, SIZE);
+      await readBackedUp(p, grant.rkey, grant.addr, SIZE, () => {
         // The owner may not recycle the bytes under the queued write either.
         assert.equal((owner as unknown as { renewBuffer(): boolean }).renewBuffer(), false, "the owner renewed (recycled) its buffer under a queued READ response");
         grant.deregister();
         owner.deregister();
-        v8.setFlagsFromString("--expose-gc");
-        const gc = vm.runInNewContext("gc") as () => void;
-        gc();
-        gc();
-        const churn: Uint8Array[] = [];
-        for (let i = 0; i < 8; i++) churn.push(new Uint8Array(SIZE / 8).fill(0x11));
-        p.outS.sock.resume();
-        await p.w.until(() => payload >= SIZE || p.outS.closed, "the whole READ response or the stream's end", DEADLINE_MS * 2);
-        assert.equal(foreign, 0, `${foreign} bytes of the READ response were not the granted bytes (freed or recycled memory sent to the peer)`);
-        assert.equal(payload, SIZE, `the READ response was cut after ${payload} of ${SIZE} bytes`);
-        assert.ok(churn.length > 0);
-      }),
-  );
+      });
+    }));
 
   it(
     "setError() with a big WRITE still queued, then deregister its source MR: no freed memory is read (EFAULT) or sent to the peer",
