@@ -131,7 +131,14 @@ export class Contention {
     if (now < this.until) return true;
     const window = now - this.lastProbe;
     if (window < this.probeMs) return false;
-    const v = this.signal.read();
+    let v: number;
+    try {
+      v = this.signal.read();
+    } catch {
+      // The reading failed (its descriptor closed under it, say): the fallback from now on.
+      this.reset(involuntarySwitches);
+      return false;
+    }
     const delta = v - this.last;
     this.last = v;
     this.lastProbe = now;

@@ -84,6 +84,13 @@ describe("polling under CPU contention", () => {
     assert.equal(c.yields, 0);
   });
 
+  it("a signal whose reading fails is replaced by the fallback (involuntary switches); the poller never sees the error", () => {
+    const c = new Contention({ name: "broken", read: () => { throw new Error("EBADF"); }, exceeded: () => true }, 10, 20, 80);
+    assert.equal(c.contended(0), false);
+    assert.equal(c.signal.name, "involuntary context switches");
+    assert.equal(c.contended(10), false, "the fallback's first probe only reads");
+  });
+
   it("reset() forgets the back-off and readings (tests restore the process's detector with it)", () => {
     const sig = scripted();
     const c = new Contention(sig, 10, 20, 80);
