@@ -18,6 +18,21 @@ import { directShift, fileDigest, FileSink, tempName } from "../../src/cli/copy/
 import { parseRemote } from "../../src/cli/cp.js";
 
 describe("cp protocol and receiver rules", () => {
+  it("a peer's claimed file size larger than the destination's file system is refused (ENOSPC) before anything is held or created", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "ardma-cp-claim-"));
+    try {
+      const abs = join(dir, "huge");
+      await assert.rejects(FileSink.open(abs, { size: 2 ** 52, mode: 0o644, mtimeMs: 0 }, 1 << 20, false), (e: Error & { code?: string }) => {
+        assert.equal(e.code, "ENOSPC", e.message);
+        assert.match(e.message, /larger than the destination's file system/);
+        return true;
+      });
+      assert.equal(existsSync(tempName(abs)), false, "no temporary file for a refused claim");
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
   it("put and get round-trip and refuse a wrong length", () => {
     assert.deepEqual(decodePut(encodePut(7, 3, 2 ** 40, 65536, 0xdeadbeef)), { id: 7, slot: 3, off: 2 ** 40, len: 65536, crc: 0xdeadbeef });
     assert.deepEqual(decodeGet(encodeGet(9, 1, 4096, 100)), { id: 9, slot: 1, off: 4096, len: 100 });

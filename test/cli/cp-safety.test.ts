@@ -183,7 +183,10 @@ describe(`async-rdma cp / serve: safety [${PROVIDER}]`, { timeout: 10 * DEADLINE
       return;
     }
     try {
-      writeFileSync(join(base, "big"), randomBytes(1024 * 1024));
+      // The disk fills during the copy: a file the file system could hold (192 KiB of 256 KiB)
+      // after something else took most of it (160 KiB).
+      writeFileSync(join(root, "filler"), randomBytes(160 * 1024));
+      writeFileSync(join(base, "big"), randomBytes(192 * 1024));
       const s = await start(root);
       const r = await cp(["--chunk", String(CHUNK), join(base, "big"), s.at("big")]);
       assert.notEqual(r.code, 0);

@@ -16,7 +16,7 @@
  * order: both sides compute it from the bytes they hold.
  */
 import { closeSync, constants, openSync, readFileSync, readSync, writeSync, type Stats } from "node:fs";
-import { lstat, open, rename, stat, type FileHandle } from "node:fs/promises";
+import { lstat, open, rename, stat, statfs, type FileHandle } from "node:fs/promises";
 import { basename, dirname, join } from "node:path";
 import { createHash, randomBytes } from "node:crypto";
 import { crc32 } from "node:zlib";
@@ -269,6 +269,10 @@ export class FileSink {
   static async open(abs: string, meta: FileMeta, chunk: number, resume: boolean, verify = true, direct = false): Promise<FileSink> {
     const st = await lstat(abs).catch(() => null);
     if (st?.isDirectory()) throw new CopyError("EISDIR", "the destination is a directory, a file is expected");
+    // The size is the peer's claim, and what this side holds per file (a CRC and a flag per
+    // chunk) grows with it: a file larger than the whole file system can never arrive.
+    const fsst = await statfs(dirname(abs)).catch(() => null);
+    if (fsst !== null && meta.size > fsst.blocks * fsst.bsize) throw new CopyError("ENOSPC", `a file of ${meta.size} bytes is larger than the destination's file system (${fsst.blocks * fsst.bsize} bytes)`);
     const tmp = tempName(abs);
     let fh: FileHandle | null = null;
     let existing: number[] = [];
@@ -288,8 +292,14 @@ export class FileSink {
     if (direct && O_DIRECT !== undefined && chunk % DIRECT_ALIGN === 0 && meta.size >= chunk) {
       // the same file again, by its descriptor (the name could have been replaced meanwhile)
       sink.direct = await open(`/proc/self/fd/${fh.fd}`, constants.O_WRONLY | O_DIRECT).catch(() => null);
-      // writes that extend the file are serialized (and waited for) by the file system: set the size first
-      if (sink.direct !== null && (await fh.stat()).size < meta.size) await fh.truncate(meta.size);
+      // writes that extend the file are serialized (and waited for) by the file system: set the size
+      // first, but only to a size the file system has room for (the size is the peer's claim; a
+      // sparse file of any claimed size would cost nothing now and a whole read on --resume)
+      if (sink.direct !== null) {
+        const cur = (await fh.stat()).size;
+        const fsst = await statfs(dirname(abs)).catch(() => null);
+        if (cur < meta.size && fsst !== null && meta.size - cur <= fsst.bavail * fsst.bsize) await fh.truncate(meta.size);
+      }
     }
     return sink;
   }
