@@ -258,6 +258,8 @@ export class Connection implements MemoryHost {
   private pingOutstanding = false;
 
   failure: RdmaError | null = null;
+  /** The connection ended without this side closing it: messages that arrived whole stay receivable. */
+  private keepUnread = false;
   closing = false;
   private closed = false;
   private readonly onClosed: () => void;
@@ -955,9 +957,20 @@ export class Connection implements MemoryHost {
     });
   }
 
+  /**
+   * Received memory handed to the user and maybe not disposed yet: moved out
+   * of the pool at teardown (LocalMemory.migrate) so a message received just
+   * before the end stays readable. Disposed entries are swept as it grows.
+   */
+  private readonly handedOut = new Set<LocalMemory>();
+
   private takeHead(): { mr: LocalMr; imm: number | undefined } {
     const head = this.incoming.shift()!;
     this.heldRecvs--;
+    if (!this.closed) {
+      if (this.handedOut.size >= 2 * this.opts.recvDepth) for (const m of this.handedOut) if (m.disposed) this.handedOut.delete(m);
+      this.handedOut.add(head.mr!.mem);
+    }
     this.repostHeld();
     return { mr: head.mr!, imm: head.imm };
   }
@@ -1324,6 +1337,16 @@ export class Connection implements MemoryHost {
     this.failure = err;
     this.memory.fail(err);
     for (const r of [...this.rndvOut.values()]) r.reject(err);
+    // Messages that arrived whole before the end stay receivable (as a TCP
+    // socket keeps the data before the FIN), unless this side closed: the
+    // ones still being read (rendezvous) are dropped, waiters get the rest.
+    this.keepUnread = !this.closing;
+    if (this.keepUnread) {
+      let j = 0;
+      for (const e of this.incoming) if (e.ready) this.incoming[j++] = e;
+      this.incoming.length = j;
+      this.deliver();
+    }
     for (const w of this.recvWaiters.splice(0)) {
       w.cleanup();
       w.reject(err);
@@ -1419,8 +1442,17 @@ export class Connection implements MemoryHost {
       this.bounce.mr.deregister();
       this.bounce.mem.release();
     }
-    for (const e of this.incoming.splice(0)) e.mr?.mem.release();
-    this.heldRecvs = 0;
+    // Received messages outlive the connection: those the user holds, and
+    // (unless this side closed) those not read yet, move out of the
+    // registered memory that goes with it.
+    for (const m of this.handedOut) m.migrate();
+    this.handedOut.clear();
+    if (this.keepUnread) {
+      for (const e of this.incoming) e.mr!.mem.migrate();
+    } else {
+      for (const e of this.incoming.splice(0)) e.mr?.mem.release();
+    }
+    this.heldRecvs = this.incoming.length;
     this.writeImms.drain();
   }
 
@@ -1431,6 +1463,7 @@ export class Connection implements MemoryHost {
   abandon(reason: RdmaError): void {
     if (this.closed) return;
     if (!this.failure) this.failure = reason;
+    this.keepUnread = false;
     this.closed = true;
     this.memory.fail(reason);
     this.releaseAll();
@@ -1445,6 +1478,8 @@ export class Connection implements MemoryHost {
    * CONNECTION_CLOSED), waits for that message to leave, then tears down.
    */
   async close(timeoutMs: number): Promise<void> {
+    // Closing this side drops what the peer sent and nobody read.
+    this.dropUnread();
     if (this.closing || this.failure) {
       if (this.failure && !this.closed) await this.waitClosed(timeoutMs);
       return;
@@ -1458,6 +1493,15 @@ export class Connection implements MemoryHost {
     if (timer) clearTimeout(timer);
     this.fail(new RdmaError("CONNECTION_CLOSED", "the connection was closed by this side"));
     await this.waitClosed(timeoutMs);
+  }
+
+  /** Messages kept readable after the connection ended: dropped when this side closes. */
+  private dropUnread(): void {
+    if (!this.failure) return;
+    this.keepUnread = false;
+    if (!this.closed) return; // releaseAll frees them
+    for (const e of this.incoming.splice(0)) e.mr?.mem.release();
+    this.heldRecvs = 0;
   }
 
   private waitClosed(timeoutMs: number): Promise<void> {

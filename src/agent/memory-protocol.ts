@@ -16,7 +16,9 @@
  * - every registration is revoked by the one deadline rule (leases.ts), on
  *   release, and at teardown, whatever the peer sent;
  * - shared regions opened by the peer (shares.ts): at most `maxRegions` opens
- *   together with grants; each open is closed on release and at teardown.
+ *   together with grants; each open is closed on release, on the peer's
+ *   acknowledgement of a revocation (or the revoke's bounded wait), and at
+ *   teardown.
  */
 import { RdmaError, type RdmaErrorCode } from "../errors.js";
 import { Access, type MemoryRegion } from "../transport/types.js";
@@ -123,9 +125,12 @@ export class MemoryProtocol {
   /** Called when this side gives back granted memory: quota waits retry. */
   private readonly quotaWaiters = new Set<() => void>();
   private readonly opener: ShareOpener = {
+    // The open stays (and keeps its registration) until the peer acknowledges with MR_RELEASE.
     revoked: (_share, id) => {
-      if (!this.opened.delete(id)) return;
-      if (!this.host.down) this.host.sendCtrl({ type: MsgType.MR_REVOKED, token: id });
+      if (this.opened.has(id) && !this.host.down) this.host.sendCtrl({ type: MsgType.MR_REVOKED, token: id });
+    },
+    dropped: (_share, id) => {
+      this.opened.delete(id);
     },
   };
   private readonly grants = new Map<number, Grant>();
@@ -602,6 +607,8 @@ export class MemoryProtocol {
         if (lease) {
           this.openedRemote.delete(m.token);
           lease.revoked = true;
+          // The acknowledgement: every operation this side posted on the region is ahead of it.
+          this.host.sendCtrl({ type: MsgType.MR_RELEASE, token: m.token });
         }
         return true;
       }

@@ -9,8 +9,17 @@
  * connections has the share open; revoking the share deregisters every one
  * (any later access by any peer fails with a remote access error, and the
  * owner's memory is never touched by a late operation) and tells every
- * opener. Disposing the shared LocalMr, closing the listener or connection
- * that owns the table, and revoke() all end it the same way.
+ * opener.
+ *
+ * Revocation is orderly: revoke() refuses new opens at once and tells every
+ * opener first; a PD's registration goes when its openers acknowledged
+ * (their agent marked the region revoked, so every operation they posted on
+ * it before is ahead of the acknowledgement on the same RC connection and
+ * has executed), when their connection ends, or after a bounded wait. An
+ * opener therefore learns of it before the memory goes: its later operations
+ * fail locally with REMOTE_ACCESS and its connection lives. Disposing the
+ * shared LocalMr and closing the listener or connection that owns the table
+ * deregister at once (revokeNow), then tell the openers.
  */
 import { createHash } from "node:crypto";
 import { RdmaError } from "../errors.js";
@@ -55,9 +64,14 @@ export function hashKey(hash: Uint8Array): string {
 /** @internal */
 /** An opener of a share: told when it is revoked. */
 export interface ShareOpener {
-  /** The share was revoked: tell the peer (its open `id`) and forget the open. */
+  /** The share is being revoked: tell the peer (its open `id`); the open stays until the peer acknowledges (close) or `dropped`. */
   revoked(share: Share, id: number): void;
+  /** The open is gone (the share's registrations were removed): forget it. */
+  dropped(share: Share, id: number): void;
 }
+
+/** How long an orderly revoke waits for openers to acknowledge before it deregisters anyway (ms). */
+export const REVOKE_WAIT_MS = 1000;
 
 interface PdRegistration {
   mr: MemoryRegion;
@@ -129,28 +143,76 @@ export class Share {
     if (!ids?.delete(id)) return;
     if (ids.size === 0) this.opens.delete(opener);
     const r = this.regs.get(pd);
-    if (!r) return;
-    if (--r.opens === 0) {
+    if (r && --r.opens === 0) {
       this.regs.delete(pd);
       r.mr.deregister();
     }
+    if (this.ended) this.settleIfDone();
   }
 
-  /** Deregisters every registration (later accesses fail), then tells every opener. Idempotent. */
-  revoke(): void {
-    if (this.ended) return;
-    this.ended = true;
-    this.table.forget(this);
+  private done: Promise<void> | null = null;
+  private finish: (() => void) | null = null;
+  private waitTimer: NodeJS.Timeout | null = null;
+  /** Every opener was told (an orderly revoke is under way). */
+  private told = false;
+
+  private end(): Promise<void> {
+    if (!this.done) {
+      this.ended = true;
+      this.table.forget(this);
+      this.done = new Promise<void>((r) => (this.finish = r));
+    }
+    return this.done;
+  }
+
+  /**
+   * Orderly revoke: new opens fail at once; every opener is told, and each
+   * PD's registration is removed when its openers acknowledged (close) or
+   * after `waitMs`. Resolves when no registration is left. Idempotent.
+   */
+  revoke(waitMs = REVOKE_WAIT_MS): Promise<void> {
+    const done = this.end();
+    if (this.told || this.finish === null) return done;
+    if (waitMs <= 0 || this.opens.size === 0) {
+      this.revokeNow();
+      return done;
+    }
+    this.told = true;
+    this.waitTimer = setTimeout(() => this.revokeNow(), waitMs);
+    for (const [opener, ids] of [...this.opens]) for (const id of [...ids]) opener.revoked(this, id);
+    this.settleIfDone();
+    return done;
+  }
+
+  /** Deregisters every registration now (later accesses fail), then tells the openers not told yet and forgets every open. Idempotent. */
+  revokeNow(): void {
+    void this.end();
     for (const r of this.regs.values()) r.mr.deregister();
     this.regs.clear();
     const opens = [...this.opens];
     this.opens.clear();
-    for (const [opener, ids] of opens) for (const id of ids) opener.revoked(this, id);
-    this.lmr.mem.beforeFree.delete(this.onMemoryFree);
+    for (const [opener, ids] of opens) {
+      for (const id of ids) {
+        if (!this.told) opener.revoked(this, id);
+        opener.dropped(this, id);
+      }
+    }
+    this.told = true;
+    this.settleIfDone();
   }
 
-  /** @internal the shared memory is being freed: revoke first. */
-  readonly onMemoryFree = (): void => this.revoke();
+  private settleIfDone(): void {
+    if (this.regs.size > 0 || this.opens.size > 0 || !this.finish) return;
+    if (this.waitTimer) clearTimeout(this.waitTimer);
+    this.waitTimer = null;
+    this.lmr.mem.beforeFree.delete(this.onMemoryFree);
+    const f = this.finish;
+    this.finish = null;
+    f();
+  }
+
+  /** @internal the shared memory is being freed: deregister first. */
+  readonly onMemoryFree = (): void => this.revokeNow();
 }
 
 /**
@@ -189,9 +251,9 @@ export class ShareTable {
     return this.byKey.size;
   }
 
-  /** Revokes every share (the owner is closing). */
+  /** Revokes every share at once (the owner is closing). */
   close(): void {
     this.closed = true;
-    for (const s of [...this.byKey.values()]) s.revoke();
+    for (const s of [...this.byKey.values()]) s.revokeNow();
   }
 }

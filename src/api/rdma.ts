@@ -109,7 +109,9 @@ export class Rdma {
    * connection would fail on the device (a local protection error that kills
    * the connection): refused here, INVALID_ARGUMENT, nothing posted.
    */
-  private lmr(v: unknown, name: string): LocalMr {
+  private lmr(v: unknown, name: string, what: string): LocalMr {
+    // A closed connection says so first, whatever memory the call names (its own is freed by now).
+    this.conn.checkOpen(what);
     if (!(v instanceof LocalMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a LocalMr (from allocLocalMr, registerMr or receive)`);
     v.mem.check(name); // disposed, lent, or freed with its connection: INVALID_STATE
     if (v.mem.alloc.mr.pd !== this.ctx.pd) {
@@ -160,12 +162,12 @@ export class Rdma {
 
   /** Sends `lmr`'s bytes; the peer gets them from receive(). Any length: large messages go by rendezvous READ. */
   send(lmr: LocalMr, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.send(this.lmr(lmr, "lmr"), undefined, signalOf(opts)));
+    return guard(() => this.conn.send(this.lmr(lmr, "lmr", "send"), undefined, signalOf(opts)));
   }
 
   /** Like send, with 32 bits of immediate data; the peer gets `{ mr, imm }` from receiveWithImm(). */
   sendWithImm(lmr: LocalMr, imm: number, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.send(this.lmr(lmr, "lmr"), checkImm(imm), signalOf(opts)));
+    return guard(() => this.conn.send(this.lmr(lmr, "lmr", "sendWithImm"), checkImm(imm), signalOf(opts)));
   }
 
   /** The next message, in a LocalMr of exactly its length (dispose it when done). */
@@ -181,12 +183,12 @@ export class Rdma {
 
   /** One-sided RDMA WRITE of `lmr` into `rmr` (lmr.length ≤ rmr.length). */
   write(lmr: LocalMr, rmr: RemoteMr, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.write(this.lmr(lmr, "lmr"), this.rmr(rmr, "rmr"), undefined, signalOf(opts)));
+    return guard(() => this.conn.write(this.lmr(lmr, "lmr", "write"), this.rmr(rmr, "rmr"), undefined, signalOf(opts)));
   }
 
   /** RDMA WRITE with immediate: the peer's receiveWriteImm() yields `imm` once the data is in place. */
   writeWithImm(lmr: LocalMr, rmr: RemoteMr, imm: number, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.write(this.lmr(lmr, "lmr"), this.rmr(rmr, "rmr"), checkImm(imm), signalOf(opts)));
+    return guard(() => this.conn.write(this.lmr(lmr, "lmr", "writeWithImm"), this.rmr(rmr, "rmr"), checkImm(imm), signalOf(opts)));
   }
 
   /** The immediate of the next WRITE_WITH_IMM from the peer. */
@@ -196,7 +198,7 @@ export class Rdma {
 
   /** One-sided RDMA READ of `rmr` into `lmr` (lmr.length bytes). */
   read(lmr: LocalMr, rmr: RemoteMr, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.read(this.lmr(lmr, "lmr"), this.rmr(rmr, "rmr"), signalOf(opts)));
+    return guard(() => this.conn.read(this.lmr(lmr, "lmr", "read"), this.rmr(rmr, "rmr"), signalOf(opts)));
   }
 
   /** Atomic compare-and-swap on 8 aligned bytes of `rmr`; resolves to the old value. */
@@ -236,7 +238,7 @@ export class Rdma {
       const o = optsOf(opts, "sendLocalMr");
       const lease = o.leaseMs === undefined ? this.settings.defaultLeaseMs : checkInt("leaseMs", o.leaseMs, 1, 2 ** 31);
       const access = o.access === undefined ? "atomic" : checkAccess(o.access, "sendLocalMr");
-      return this.conn.sendLocalMr(this.lmr(lmr, "lmr"), lease, signalOf(o, "sendLocalMr"), access);
+      return this.conn.sendLocalMr(this.lmr(lmr, "lmr", "sendLocalMr"), lease, signalOf(o, "sendLocalMr"), access);
     });
   }
 
@@ -247,7 +249,7 @@ export class Rdma {
    */
   share(name: string, lmr: LocalMr, opts?: ShareOptions): SharedMr {
     this.conn.checkOpen("share");
-    return shareIn(this.ctx.shares, name, this.lmr(lmr, "lmr"), opts);
+    return shareIn(this.ctx.shares, name, this.lmr(lmr, "lmr", "share"), opts);
   }
 
   /**
@@ -317,7 +319,12 @@ export class Rdma {
     return this.conn.isClosed;
   }
 
-  /** Graceful close: the peer's pending receives reject with CONNECTION_CLOSED; resources are released. */
+  /**
+   * Closes the connection: tells the peer, which can still receive every
+   * message that arrived before (then its receive() rejects with
+   * CONNECTION_CLOSED), and releases this side's resources. Messages this
+   * side received and did not read are dropped.
+   */
   close(): Promise<void> {
     this.closePromise ??= this.conn.close(this.settings.closeTimeoutMs);
     return this.closePromise;

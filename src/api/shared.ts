@@ -2,8 +2,8 @@
  * SharedMr: the owner's handle on a region shared by name (`share()` on a
  * listener or a connection). Peers open it with `openSharedMr(name)`.
  */
-import { RdmaError } from "../errors.js";
-import { checkAccess, type Share, type ShareAccess, type ShareTable } from "../agent/shares.js";
+import { RdmaError, checkInt } from "../errors.js";
+import { REVOKE_WAIT_MS, checkAccess, type Share, type ShareAccess, type ShareTable } from "../agent/shares.js";
 import type { LocalMr } from "../memory/mr.js";
 import type { PeerInfo } from "./auth.js";
 
@@ -27,7 +27,7 @@ export interface ShareOptions {
  * @example
  * const shared = listener.share("counter", listener.allocLocalMr(8), { access: "atomic" });
  * // ... peers call rdma.openSharedMr("counter")
- * shared.revoke();
+ * await shared.revoke();
  */
 export class SharedMr {
   /** @internal */
@@ -59,23 +59,30 @@ export class SharedMr {
   }
 
   /**
-   * Ends the share: every registration over the bytes is removed first (a
-   * later or in-flight-late access by any peer fails with a remote access
-   * error and never touches the memory), then every opener is told (its
-   * RemoteMr fails locally with REMOTE_ACCESS). The LocalMr stays the owner's.
+   * Ends the share, in order: new opens fail with NOT_FOUND at once; every
+   * opener is told, and its registration is removed once its connection
+   * acknowledged (from then on its RemoteMr fails locally with REMOTE_ACCESS
+   * and its connection lives), when its connection ends, or after
+   * `timeoutMs` (default 1000) for an opener that did not answer. Resolves
+   * when no peer can reach the memory any more: until then, do not reuse
+   * the bytes for something a peer must not see. The LocalMr stays the
+   * owner's. `timeoutMs: 0` deregisters at once (an operation a peer has in
+   * flight then fails with REMOTE_ACCESS and ends its connection).
    */
-  revoke(): void {
-    this.share.revoke();
+  revoke(opts?: { timeoutMs?: number }): Promise<void> {
+    if (opts !== undefined && (opts === null || typeof opts !== "object")) throw new RdmaError("INVALID_ARGUMENT", "revoke: options must be an object");
+    const ms = opts?.timeoutMs === undefined ? REVOKE_WAIT_MS : checkInt("timeoutMs", opts.timeoutMs, 0, 2 ** 31 - 1);
+    return this.share.revoke(ms);
   }
 
-  /** `using shared = ...`: revokes it at the end of the scope. */
+  /** `using shared = ...`: revokes it at once at the end of the scope (deregisters, then tells the openers). */
   [Symbol.dispose](): void {
-    this.share.revoke();
+    this.share.revokeNow();
   }
 
-  /** `await using shared = ...`: revokes it at the end of the scope. */
+  /** `await using shared = ...`: revokes it in order at the end of the scope. */
   async [Symbol.asyncDispose](): Promise<void> {
-    this.share.revoke();
+    await this.share.revoke();
   }
 }
 

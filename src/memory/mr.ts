@@ -2,7 +2,7 @@
  * LocalMr and RemoteMr: the user's handles on registered memory.
  */
 import { RdmaError } from "../errors.js";
-import type { Sge } from "../transport/types.js";
+import type { MemoryRegion, Sge } from "../transport/types.js";
 import type { Allocation, MrPool } from "./pool.js";
 
 type TypedArrayCtor<T> = { new (buffer: ArrayBuffer, byteOffset: number, length: number): T; BYTES_PER_ELEMENT: number };
@@ -18,14 +18,15 @@ function checkTypedArrayCtor(ctor: unknown): void {
 /** @internal */
 /** Owner of the memory behind a LocalMr (the allocation, its pool and its state). */
 export class LocalMemory {
-  readonly pool: MrPool | null;
-  readonly alloc: Allocation;
+  /** Null for memory of no pool (registerMr), or after migrate(). */
+  pool: MrPool | null;
+  alloc: Allocation;
   /** Operations in flight that use this memory: freeing waits for them. */
   inflight = 0;
   disposed = false;
   private _lentTo: string | null = null;
   private freePending = false;
-  private readonly onFree: (() => void) | null;
+  private onFree: (() => void) | null;
   /** Run when the memory is released, before it is freed (shares revoke themselves here). */
   readonly beforeFree = new Set<() => void>();
   /**
@@ -58,13 +59,15 @@ export class LocalMemory {
     else if (was !== null && to === null) this.pool.resume(this.alloc);
   }
 
+  /** Freed behind the user's back: the connection (and the pool) it came from was closed, which detaches its memory. */
+  get freed(): boolean {
+    return this.alloc.length > 0 && (this.alloc.mr.deregistered || this.alloc.buffer.byteLength === 0);
+  }
+
   check(what: string): void {
     if (this.disposed) throw new RdmaError("INVALID_STATE", `${what}: this memory region was disposed`);
     if (this.lentTo !== null) throw new RdmaError("INVALID_STATE", `${what}: this memory region is lent to the peer (${this.lentTo}); it is usable again when it comes back`);
-    // Freed behind our back: the connection (and the pool) it came from was closed, which detaches its memory.
-    if (this.alloc.length > 0 && (this.alloc.mr.deregistered || this.alloc.buffer.byteLength === 0)) {
-      throw new RdmaError("INVALID_STATE", `${what}: this memory region was freed: the connection it belonged to is closed`);
-    }
+    if (this.freed) throw new RdmaError("INVALID_STATE", `${what}: this memory region was freed: the connection it belonged to is closed`);
   }
 
   release(): void {
@@ -74,6 +77,28 @@ export class LocalMemory {
     this.beforeFree.clear();
     if (this.inflight > 0) this.freePending = true;
     else this.doFree();
+  }
+
+  /**
+   * Moves the bytes out of the pool into memory of no connection and no
+   * protection domain, and frees the pool's allocation: a received message
+   * that outlives its connection stays readable. Views taken before are
+   * detached; any connection refuses the memory as an operand.
+   */
+  migrate(): void {
+    const pool = this.pool;
+    if (pool === null || this.disposed || this.freed || this.inflight > 0 || this._lentTo !== null) return;
+    const a = this.alloc;
+    const buffer = new ArrayBuffer(a.length);
+    new Uint8Array(buffer).set(new Uint8Array(a.buffer, a.bufOffset, a.length));
+    const mr = { pd: null, buffer, offset: 0, addr: 0, length: a.length, lkey: 0, rkey: 0, access: 0, deregistered: false, deregister() {} } as unknown as MemoryRegion;
+    this.alloc = { mr, addr: 0, length: a.length, buffer, bufOffset: 0, mrBufOffset: 0 };
+    this.pool = null;
+    this.recycle = null;
+    pool.free(a);
+    const f = this.onFree;
+    this.onFree = null;
+    f?.();
   }
 
   opDone(): void {
@@ -143,7 +168,7 @@ export class LocalMr {
 
   /** Whether the memory was given back (dispose, or its connection closed). */
   get disposed(): boolean {
-    return this.mem.disposed;
+    return this.mem.disposed || this.mem.freed;
   }
 
   /** @internal scatter/gather element for this view. */

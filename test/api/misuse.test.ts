@@ -132,7 +132,7 @@ describe(`misuse gets a typed error [${PROVIDER}, ${CM}]`, { timeout: 300_000 },
     lmr.dispose();
   });
 
-  it("memory of a closed connection: INVALID_STATE, not a TypeError", async () => {
+  it("memory of a closed connection: INVALID_STATE, not a TypeError; a received message stays readable", async () => {
     const [c, s] = await Promise.all([builder("client").connect(at(listener.port)), listener.accept({ timeoutMs: 60_000 })]);
     const cm = c.allocLocalMr(64);
     const sm = s.allocLocalMr(64);
@@ -142,12 +142,18 @@ describe(`misuse gets a typed error [${PROVIDER}, ${CM}]`, { timeout: 300_000 },
     await c.send(cm);
     received.push(await s.receive());
     await Promise.all([c.close(), s.close()]);
+    // A received message outlives its connection (its bytes moved out of the registered memory)…
+    assert.equal(received[0]!.disposed, false);
+    assert.ok(received[0]!.bytes.every((b) => b === 1));
+    // …and no connection takes it as an operand.
+    typed("INVALID_ARGUMENT", "send(a received message kept past its connection)")(await outcome(() => client.send(received[0]!)));
+    received[0]!.dispose();
     for (const [name, m] of [
       ["client allocation", cm],
       ["its slice", slice],
       ["server allocation", sm],
-      ["received message", received[0]!],
     ] as const) {
+      assert.equal(m.disposed, true, `${name}.disposed after close`);
       const cases: [string, () => unknown][] = [
         ["bytes", () => m.bytes],
         ["view(Uint8Array)", () => m.view(Uint8Array)],

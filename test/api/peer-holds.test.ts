@@ -59,6 +59,26 @@ describe(`what a peer makes this side hold [${PROVIDER}, ${CM}]`, { timeout: 300
     await eventually(() => peerMemoryUsage().used === baseline, 60_000, "the process budget is back where it was");
   });
 
+  it("issue 19 point 13: unread messages stop at the documented bound (receive depth + half of it) and nothing is dropped", async () => {
+    const DEPTH = 16;
+    await withApiPair(
+      async ({ client, server }) => {
+        using m = client.allocLocalMr(8);
+        let resolved = 0;
+        const sends = Array.from({ length: 100 }, () => client.send(m).then(() => void resolved++));
+        // The sender stops when the receiver stops re-posting (it has fewer credits than a data message needs).
+        await eventually(() => server.stats().unread === resolved && resolved > 0 && client.stats().credits < 5 && client.stats().sqOutstanding === 0, 60_000, "the sender to run out of credits");
+        const held = server.stats().unread;
+        assert.ok(held <= DEPTH + DEPTH / 2, `${held} unread messages: more than the documented ${DEPTH + DEPTH / 2}`);
+        assert.ok(held > DEPTH / 2, `${held} unread messages: the peer may use the credits it holds when the reader stops`);
+        for (let i = 0; i < 100; i++) (await server.receive()).dispose();
+        await Promise.all(sends);
+        assert.equal(resolved, 100);
+      },
+      { server: (b) => b.setRecvDepth(DEPTH), client: (b) => b.setRecvDepth(DEPTH) },
+    );
+  });
+
   it("issue 19 point 6: the region count bounds handed-back regions too", async () => {
     await withApiPair(
       async ({ client, server }) => {

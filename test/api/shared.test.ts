@@ -199,8 +199,8 @@ describe(`shared regions [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () 
     const pairs = await clients(listener, 2);
     try {
       const rmrs = await Promise.all(pairs.map((p) => p.c.openSharedMr("r")));
-      shared.revoke();
-      assert.equal(registrations(shared), 0, "deregistered at once");
+      await shared.revoke();
+      assert.equal(registrations(shared), 0, "deregistered once revoke() resolved");
       await eventually(() => rmrs.every((r) => r.revoked), 30_000 * SLOW, "the openers to learn of the revocation");
       using l = pairs[0]!.c.allocLocalMr(64);
       l.bytes.fill(5);
@@ -215,6 +215,63 @@ describe(`shared regions [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () 
       const r2 = await pairs[0]!.c.openSharedMr("r");
       assert.equal(r2.access, "read");
       again.revoke();
+    } finally {
+      await closeAll(pairs);
+      await listener.close();
+    }
+  });
+
+  it("issue 19 point 16: an operation right after revoke() lands or fails locally with REMOTE_ACCESS, and the opener's connection lives", async () => {
+    const listener = await builder("server").bind(at(0));
+    const lmr = listener.allocLocalMr(64);
+    const pairs = await clients(listener, 1);
+    const { c, s } = pairs[0]!;
+    try {
+      for (let round = 0; round < 5; round++) {
+        const shared = listener.share("r", lmr, { access: "write" });
+        const rmr = await c.openSharedMr("r");
+        using l = c.allocLocalMr(64);
+        l.bytes.fill(round + 1);
+        // The owner revokes while the opener's WRITE is on its way (nothing waits for the MR_REVOKED).
+        const revoking = shared.revoke();
+        const outcome = await c.write(l, rmr).then(
+          () => "landed",
+          (e: unknown) => {
+            assert.ok(e instanceof RdmaError && e.code === "REMOTE_ACCESS", `expected REMOTE_ACCESS, got ${String(e)}`);
+            return "refused";
+          },
+        );
+        await revoking;
+        assert.equal(registrations(shared), 0, "no registration left once revoke() resolved");
+        assert.equal(shared.openCount, 0);
+        assert.equal(lmr.bytes[0], outcome === "landed" ? round + 1 : round, `round ${round}: the owner's memory holds exactly what landed`);
+        if (outcome === "refused") lmr.bytes.fill(round + 1);
+        // After the opener knows, every use fails locally and the connection lives on.
+        await eventually(() => rmr.revoked, 30_000 * SLOW, "the opener to learn of the revocation");
+        await assert.rejects(c.write(l, rmr), code("REMOTE_ACCESS", /revoked/));
+        await assert.rejects(c.read(l, rmr), code("REMOTE_ACCESS", /revoked/));
+        assert.equal(c.closed, false, "the opener's connection lives");
+        using m = c.allocLocalMr(8);
+        await c.send(m);
+        (await s.receive()).dispose();
+      }
+    } finally {
+      await closeAll(pairs);
+      await listener.close();
+    }
+  });
+
+  it("issue 19 point 16: revoke({ timeoutMs: 0 }) deregisters at once; a bad timeout is refused", async () => {
+    const listener = await builder("server").bind(at(0));
+    const lmr = listener.allocLocalMr(64);
+    const pairs = await clients(listener, 1);
+    try {
+      const a = listener.share("a", lmr, { access: "read" });
+      await pairs[0]!.c.openSharedMr("a");
+      const now = a.revoke({ timeoutMs: 0 });
+      assert.equal(registrations(a), 0, "timeoutMs 0: deregistered at once");
+      await now;
+      assert.throws(() => listener.share("b", lmr).revoke({ timeoutMs: -1 }), code("INVALID_ARGUMENT"));
     } finally {
       await closeAll(pairs);
       await listener.close();
