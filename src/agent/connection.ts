@@ -372,7 +372,8 @@ export class Connection implements MemoryHost {
       return;
     }
     if (this.opts.keepaliveMs > 0 && !this.pingOutstanding && now - this.lastArrival >= this.opts.keepaliveMs) {
-      if (!waiting) this.lastProgress = now;
+      // The peer timeout counts from when the PING was due, not from the tick that sends it.
+      if (!waiting) this.lastProgress = Math.max(this.lastProgress, this.lastArrival + this.opts.keepaliveMs);
       this.pingOutstanding = true;
       this.sendCtrl({ type: MsgType.PING });
     }

@@ -90,6 +90,8 @@ interface Exposed {
   timer: { cancel(): void } | null;
   start: number;
   length: number;
+  /** When it was lent (a lend's whole life, renewals included, is at most the maximum lease). */
+  since: number;
 }
 
 interface Grant extends Exposed {
@@ -399,6 +401,11 @@ export class MemoryProtocol {
     if (!e) return answer(RenewStatus.UNKNOWN, 0);
     if (m.b > this.limits.maxLeaseMs) return answer(RenewStatus.TOO_LONG, this.limits.maxLeaseMs);
     const lease = m.b || this.limits.defaultLeaseMs;
+    // A lend keeps this side's own memory from it: renewals cannot carry it past the maximum lease from the lend.
+    if (m.a === 1) {
+      const left = Math.floor(e.since + this.limits.maxLeaseMs - performance.now());
+      if (lease > left) return answer(RenewStatus.TOO_LONG, Math.max(0, left));
+    }
     e.timer?.cancel();
     const id = m.token;
     e.timer = m.a === 1 ? longTimeout(() => this.endLend(id, false), ownerRevokeDelay(lease, this.limits.leaseGraceMs)) : longTimeout(() => this.endGrant(id)?.mem.release(), ownerRevokeDelay(lease, this.limits.leaseGraceMs));
@@ -487,7 +494,7 @@ export class MemoryProtocol {
     }
     const lease = Math.min(leaseMs || this.limits.defaultLeaseMs, this.limits.maxLeaseMs);
     const id = this.newId();
-    const g: Grant = { mem, mr, timer: null, start: 0, length: size, requestToken: token };
+    const g: Grant = { mem, mr, timer: null, start: 0, length: size, since: performance.now(), requestToken: token };
     g.timer = longTimeout(() => this.endGrant(id)?.mem.release(), ownerRevokeDelay(lease, this.limits.leaseGraceMs));
     this.grants.set(id, g);
     this.grantTokens.add(token);
@@ -572,7 +579,7 @@ export class MemoryProtocol {
     const id = this.newId();
     const mr = this.host.pool.grant(lmr.mem.alloc, lmr.start, lmr.length, flags);
     lmr.mem.lentTo = "sendLocalMr";
-    const lend: Exposed = { mem: lmr.mem, mr, timer: null, start: lmr.start, length: lmr.length };
+    const lend: Exposed = { mem: lmr.mem, mr, timer: null, start: lmr.start, length: lmr.length, since: performance.now() };
     lend.timer = longTimeout(() => this.endLend(id, false), ownerRevokeDelay(leaseMs, this.limits.leaseGraceMs));
     this.lends.set(id, lend);
     return this.host.postCtrl({ type: MsgType.MR_LEND, token: id, a: lmr.length, b: leaseMs, addr: mr.addr, rkey: mr.rkey, imm: flags }, signal);

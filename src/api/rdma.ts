@@ -140,11 +140,11 @@ export class Rdma {
     return this.ctx.device.name;
   }
 
-  /** Registered, zeroed memory from the pool; `bytes` is a Uint8Array view over it. */
+  /** Registered, zeroed memory from the pool; `bytes` is a Uint8Array view over it. Size 0 gives an empty region (an empty message). */
   allocLocalMr(size: number): LocalMr {
     this.conn.checkOpen("allocLocalMr");
-    checkInt("size", size, 1, this.ctx.device.attr.maxMrSize);
-    return new LocalMr(new LocalMemory(this.ctx.pool, this.ctx.pool.alloc(size)), 0, size);
+    checkInt("size", size, 0, this.ctx.device.attr.maxMrSize);
+    return new LocalMr(new LocalMemory(this.ctx.pool, this.ctx.pool.alloc(Math.max(1, size))), 0, size);
   }
 
   /**

@@ -79,6 +79,34 @@ describe(`what a peer makes this side hold [${PROVIDER}, ${CM}]`, { timeout: 300
     );
   });
 
+  it("issue 19 point 13: renewals cannot carry a lend past the owner's maximum lease from the lend", async () => {
+    await withApiPair(
+      async ({ client, server }) => {
+        using lmr = server.allocLocalMr(64);
+        await server.sendLocalMr(lmr, { leaseMs: 60_000 });
+        const rmr = await client.receiveRemoteMr();
+        // Asking for the whole maximum again, from now, would end after the lend's allowed life.
+        await assert.rejects(rmr.renew(60_000), code("OUT_OF_RANGE"));
+        await rmr.renew(1000);
+        await client.sendRemoteMr(rmr);
+      },
+      { server: (b) => b.setMaxLease(60_000) },
+    );
+  });
+
+  it("issue 19 point 19: allocLocalMr(0) is an empty region, and an empty message travels", async () => {
+    await withApiPair(async ({ client, server }) => {
+      using e = client.allocLocalMr(0);
+      assert.equal(e.length, 0);
+      assert.equal(e.bytes.length, 0);
+      await client.sendWithImm(e, 7);
+      const { mr, imm } = await server.receiveWithImm();
+      assert.equal(mr.length, 0);
+      assert.equal(imm, 7);
+      mr.dispose();
+    });
+  });
+
   it("issue 19 point 6: the region count bounds handed-back regions too", async () => {
     await withApiPair(
       async ({ client, server }) => {
