@@ -1,0 +1,102 @@
+#!/usr/bin/env node
+// A/B: the working tree against another commit, on the same machine, runs
+// alternating (base, head, base, head, ...), so load drift hits both. The
+// other commit is checked out into a temporary worktree and built there
+// (TypeScript only: the tcp provider); the SAME benchmark programs (this
+// tree's bench/) run against both builds. Prints each metric's median, min
+// and max per side and the ratio of medians (head / base), with the load.
+//
+//   node bench/ab.mjs <commit> [--pairs 4] [--bench rpc-cpu,send-inprocess] [--keep]
+//
+// Benchmarks (in-process ones hold up on a loaded machine):
+//   rpc-cpu         CPU µs per 32 B echo call, client and server in one process (lower is better)
+//   send-inprocess  64 B messages/s, sender and receiver in one process (higher is better)
+//   send-4k         4 KiB messages/s, in one process (higher is better)
+//   rpc-vs-node     calls/s at 32 B c=1 (two processes; noisy on a busy machine)
+//
+// A program that reports: it never fails on a number.
+import { execFileSync, spawnSync } from "node:child_process";
+import { cpSync, existsSync, mkdtempSync, rmSync, symlinkSync } from "node:fs";
+import { loadavg, tmpdir } from "node:os";
+import { join } from "node:path";
+import { fileURLToPath } from "node:url";
+
+const root = fileURLToPath(new URL("..", import.meta.url));
+const argv = process.argv.slice(2);
+const commit = argv.find((a, i) => !a.startsWith("--") && !(argv[i - 1] ?? "").startsWith("--"));
+const opt = (name, dflt) => {
+  const i = argv.indexOf(`--${name}`);
+  return i >= 0 ? argv[i + 1] : dflt;
+};
+if (!commit) {
+  console.error("usage: node bench/ab.mjs <commit> [--pairs 4] [--bench rpc-cpu,send-inprocess] [--keep]");
+  process.exit(2);
+}
+const PAIRS = Number(opt("pairs", 4));
+const CALLS = Number(opt("calls", 10000));
+
+const BENCHES = {
+  "rpc-cpu": { args: ["bench/rpc-cpu.mjs", "--runs", "1", "--calls", String(CALLS)], re: /async-rdma\/rpc \(tcp\): min ([\d.]+) µs/, unit: "µs/call", better: "lower" },
+  "send-inprocess": { args: ["bench/send-inprocess.mjs", String(4 * CALLS), "128", "64"], re: /"messagesPerSec":(\d+)/, unit: "msg/s", better: "higher" },
+  "send-4k": { args: ["bench/send-inprocess.mjs", String(2 * CALLS), "64", "4000"], re: /"messagesPerSec":(\d+)/, unit: "msg/s", better: "higher" },
+  "rpc-vs-node": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32"], re: /\| 32 B \| 1 \| (\d+) \|/, unit: "calls/s", better: "higher" },
+};
+const chosen = String(opt("bench", "rpc-cpu,send-inprocess")).split(",");
+for (const b of chosen) if (!BENCHES[b]) throw new Error(`unknown benchmark ${b} (known: ${Object.keys(BENCHES).join(", ")})`);
+
+// The base build: a detached worktree of <commit>, this tree's node_modules and bench/.
+const base = mkdtempSync(join(tmpdir(), "async-rdma-ab-"));
+const rev = execFileSync("git", ["rev-parse", "--short", commit], { cwd: root, encoding: "utf8" }).trim();
+const head = execFileSync("git", ["rev-parse", "--short", "HEAD"], { cwd: root, encoding: "utf8" }).trim();
+const dirty = execFileSync("git", ["status", "--porcelain", "--untracked-files=no"], { cwd: root, encoding: "utf8" }).trim() !== "";
+let cleaned = false;
+function cleanup() {
+  if (cleaned || argv.includes("--keep")) return;
+  cleaned = true;
+  spawnSync("git", ["worktree", "remove", "--force", base], { cwd: root });
+  rmSync(base, { recursive: true, force: true });
+}
+process.on("exit", cleanup);
+for (const sig of ["SIGINT", "SIGTERM"]) process.on(sig, () => process.exit(130));
+
+execFileSync("git", ["worktree", "add", "--detach", "--force", base, rev], { cwd: root, stdio: "ignore" });
+symlinkSync(join(root, "node_modules"), join(base, "node_modules"));
+if (existsSync(join(root, "build"))) symlinkSync(join(root, "build"), join(base, "build"));
+rmSync(join(base, "bench"), { recursive: true, force: true });
+cpSync(join(root, "bench"), join(base, "bench"), { recursive: true });
+console.error(`ab: building ${rev} in ${base} ...`);
+execFileSync(process.execPath, [join(root, "node_modules/typescript/bin/tsc"), "-p", "tsconfig.json"], { cwd: base, stdio: "inherit" });
+if (!existsSync(join(root, "dist/src/index.js"))) throw new Error("build this tree first: npm run build");
+
+function runOnce(dir, b) {
+  const r = spawnSync(process.execPath, b.args, { cwd: dir, encoding: "utf8", timeout: 600_000, env: { ...process.env, ASYNC_RDMA_PROVIDER: "tcp" } });
+  const m = b.re.exec(r.stdout ?? "");
+  if (!m) throw new Error(`${b.args.join(" ")} in ${dir}: no figure in its output (exit ${r.status}):\n${r.stdout}\n${r.stderr}`);
+  return Number(m[1].replace(/,/g, ""));
+}
+
+const median = (xs) => {
+  const s = [...xs].sort((a, b) => a - b);
+  return s.length % 2 ? s[(s.length - 1) / 2] : (s[s.length / 2 - 1] + s[s.length / 2]) / 2;
+};
+const load0 = loadavg()[0];
+const rows = [];
+for (const name of chosen) {
+  const b = BENCHES[name];
+  const res = { base: [], head: [] };
+  for (let i = 0; i < PAIRS; i++) {
+    // Alternate which side goes first, so a trend within a pair does not favour one.
+    const order = i % 2 === 0 ? ["base", "head"] : ["head", "base"];
+    for (const side of order) res[side].push(runOnce(side === "base" ? base : root, b));
+    console.error(`ab: ${name} pair ${i + 1}/${PAIRS}: base ${res.base.at(-1)} head ${res.head.at(-1)} ${b.unit}`);
+  }
+  const mb = median(res.base);
+  const mh = median(res.head);
+  rows.push({ name, unit: b.unit, better: b.better, mb, mh, base: res.base, head: res.head, ratio: mh / mb });
+}
+console.log(`# A/B: head ${head}${dirty ? " + uncommitted changes" : ""} vs base ${rev}; ${PAIRS} alternating pairs; load ${load0.toFixed(2)} -> ${loadavg()[0].toFixed(2)}`);
+console.log(`# command: node bench/ab.mjs ${argv.join(" ")}`);
+console.log("| benchmark | unit | base median (min-max) | head median (min-max) | head/base | better |");
+console.log("|---|---|---|---|---|---|");
+const fmt = (xs, m) => `${+m.toFixed(1)} (${+Math.min(...xs).toFixed(1)}-${+Math.max(...xs).toFixed(1)})`;
+for (const r of rows) console.log(`| ${r.name} | ${r.unit} | ${fmt(r.base, r.mb)} | ${fmt(r.head, r.mh)} | ${r.ratio.toFixed(3)} | ${r.better} |`);
