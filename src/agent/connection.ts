@@ -32,6 +32,7 @@ import type { Allocation, MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
 import { AbortWatch, AsyncQueue, abortError } from "./queue.js";
 import { HDR, MsgType, RndvStatus, decodeMsg, encodeMsg, newMsg, type Msg } from "./codec.js";
+import { Liveness } from "./liveness.js";
 import { MemoryProtocol, type CtrlMsg, type MemoryHost, type PeerLimits } from "./memory-protocol.js";
 import type { Share } from "./shares.js";
 import type { RemoteAccess } from "../memory/mr.js";
@@ -251,11 +252,9 @@ export class Connection implements MemoryHost {
   private readonly rndvWaiting: Incoming[] = [];
   private unsubscribeBudget: (() => void) | null = null;
   readonly memory: MemoryProtocol;
+  private readonly live: Liveness;
 
   /** Last time the peer showed progress (a completion or an arrival), or this side began to wait. */
-  private lastProgress = performance.now();
-  private lastArrival = performance.now();
-  private pingOutstanding = false;
 
   failure: RdmaError | null = null;
   /** The connection ended without this side closing it: messages that arrived whole stay receivable. */
@@ -282,6 +281,16 @@ export class Connection implements MemoryHost {
       leaseGraceMs: opts.leaseGraceMs,
       maxRegionSize: Math.min(pool.pd.device.attr.maxMrSize, 2 ** 32 - 1),
     });
+    this.live = new Liveness(
+      {
+        isDown: () => this.failure !== null || this.closing,
+        outstanding: () => this.sqOutstanding,
+        ping: () => this.sendCtrl({ type: MsgType.PING }),
+        expire: (err) => this.fail(err),
+      },
+      opts.keepaliveMs,
+      opts.peerTimeoutMs,
+    );
     qp.onEvent = (e: AsyncEvent) => this.onQpEvent(e);
     this.poller = new Poller(cq, opts.polling, opts.spinUs, (b, i) => this.onCompletion(b, i), () => this.afterDrain());
   }
@@ -330,53 +339,7 @@ export class Connection implements MemoryHost {
   start(): void {
     this.poller.start();
     this.memory.sendLimits(this.opts.maxMessageSize);
-    const { keepaliveMs: k, peerTimeoutMs: t } = this.opts;
-    const every = Math.min(k > 0 ? k : Infinity, t > 0 ? Math.max(10, t / 4) : Infinity);
-    if (every !== Infinity) {
-      this.lastProgress = this.lastArrival = this.lastTick = performance.now();
-      this.tickEvery = every;
-      this.keepalive = setInterval(() => this.liveness(), every);
-      this.keepalive.unref();
-    }
-  }
-
-  private keepalive: NodeJS.Timeout | null = null;
-  /** When the liveness timer last ran, and its period (a late tick shows a blocked event loop). */
-  private lastTick = 0;
-  private tickEvery = 0;
-
-  /**
-   * Liveness, the same rule on every provider: when nothing arrived for
-   * keepaliveMs, PING the peer's agent; while this side waits on the peer
-   * (work posted, or a PING unanswered), no progress for peerTimeoutMs fails
-   * the connection. A device that reports the dead peer earlier (tcp: a cut
-   * stream; verbs: retry exceeded) fails it earlier.
-   */
-  private liveness(): void {
-    if (this.failure || this.closing) return;
-    const now = performance.now();
-    // A tick that comes late means this process's event loop was blocked (a long synchronous
-    // task, GC, a starved CPU): completions may be waiting unread in the sockets or the CQ.
-    // That time is ours, not the peer's: it does not count as the peer making no progress.
-    const late = now - this.lastTick - this.tickEvery;
-    this.lastTick = now;
-    if (late > this.tickEvery) {
-      this.lastProgress = Math.min(now, this.lastProgress + late);
-      this.lastArrival = Math.min(now, this.lastArrival + late);
-    }
-    const t = this.opts.peerTimeoutMs;
-    const waiting = this.sqOutstanding > 0 || this.pingOutstanding;
-    if (t > 0 && waiting && now - this.lastProgress > t) {
-      const what = this.sqOutstanding > 0 ? `${this.sqOutstanding} work requests outstanding` : "a PING unanswered";
-      this.fail(new RdmaError("RETRY_EXCEEDED", `the peer made no progress for ${Math.round(now - this.lastProgress)} ms (peerTimeoutMs ${t}; ${what}, last arrival ${Math.round(now - this.lastArrival)} ms ago): it is dead, stopped or unreachable`));
-      return;
-    }
-    if (this.opts.keepaliveMs > 0 && !this.pingOutstanding && now - this.lastArrival >= this.opts.keepaliveMs) {
-      // The peer timeout counts from when the PING was due, not from the tick that sends it.
-      if (!waiting) this.lastProgress = Math.max(this.lastProgress, this.lastArrival + this.opts.keepaliveMs);
-      this.pingOutstanding = true;
-      this.sendCtrl({ type: MsgType.PING });
-    }
+    this.live.start();
   }
 
   // ------------------------------------------------------------------ slots
@@ -575,7 +538,7 @@ export class Connection implements MemoryHost {
         this.sinceSignal = 0;
       } else wr.flags = (wr.flags ?? 0) & ~SendFlags.SIGNALED;
     }
-    if (this.sqOutstanding === 0) this.lastProgress = performance.now();
+    if (this.sqOutstanding === 0) this.live.startWaiting();
     this.sqOutstanding += batch.length;
     try {
       this.qp.postSend(batch);
@@ -850,7 +813,7 @@ export class Connection implements MemoryHost {
     this.sendCtrl({ type: MsgType.RNDV_CANCEL, token });
     // The answer (RNDV_DONE) must come within the peer timeout; the liveness check enforces
     // that while the cancel is unanswered.
-    this.pingOutstanding = true;
+    this.live.awaitingAnswer = true;
   }
 
   /**
@@ -1076,7 +1039,7 @@ export class Connection implements MemoryHost {
     if (!op) return;
     this.slots[id] = null;
     this.freeSlots.push(id);
-    this.lastProgress = performance.now();
+    this.live.progressed();
     if (op.kind === "recv") {
       const mem = this.recvSlots.get(id)!;
       this.recvSlots.delete(id);
@@ -1151,9 +1114,8 @@ export class Connection implements MemoryHost {
   }
 
   private onReceive(mem: LocalMemory, opcode: number, byteLen: number, imm: number): void {
-    this.lastArrival = performance.now();
+    this.live.arrived();
     this.poller.touch();
-    this.pingOutstanding = false;
     if (opcode === WcOpcode.RECV_RDMA_WITH_IMM) {
       this.putRecv(mem);
       this.writeImms.push(imm);
@@ -1416,8 +1378,7 @@ export class Connection implements MemoryHost {
    * operation whose completion never came.
    */
   private releaseAll(): void {
-    if (this.keepalive) clearInterval(this.keepalive);
-    this.keepalive = null;
+    this.live.stop();
     if (this.drainDeadline) clearTimeout(this.drainDeadline);
     this.memory.teardown();
     for (const r of this.rndvOut.values()) if (r.timer) clearTimeout(r.timer);
