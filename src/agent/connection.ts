@@ -4,12 +4,11 @@
  * control protocol (credits, memory requests, grants and leases, lending,
  * rendezvous, close) and turns work completions into promise settlements.
  *
- * Flow control: the peer posts `recvDepth` receive buffers and tells us; each
- * SEND (and WRITE_WITH_IMM) consumes one credit; credits come back in every
- * message header, or in a CREDIT message when enough have piled up. The last
- * credit is kept for CREDIT messages and a few more for control messages, so
- * neither data nor control can deadlock the other, and the peer never sees
- * a SEND without a receive posted (no RNR storms).
+ * Its parts, each owning one invariant behind a narrow host interface:
+ * credits.ts (flow control: the peer never sees a SEND without a receive
+ * posted, and credits can always flow back), liveness.ts (a dead or stopped
+ * peer is noticed within keepalive + peer timeout), memory-protocol.ts
+ * (grants, lends, shares, quotas and leases), poller.ts (completion polling).
  */
 import { RdmaError, type RdmaErrorCode } from "../errors.js";
 import {
@@ -32,6 +31,7 @@ import type { Allocation, MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
 import { AbortWatch, AsyncQueue, abortError } from "./queue.js";
 import { HDR, MsgType, RndvStatus, decodeMsg, encodeMsg, newMsg, type Msg } from "./codec.js";
+import { Credits, NEED } from "./credits.js";
 import { Liveness } from "./liveness.js";
 import { MemoryProtocol, type CtrlMsg, type MemoryHost, type PeerLimits } from "./memory-protocol.js";
 import type { Share } from "./shares.js";
@@ -92,8 +92,6 @@ export interface PeerParams {
   maxMessageSize?: number;
 }
 
-const CREDIT_RESERVE = 1;
-const CTRL_RESERVE = 3;
 const CTRL_BUF = 64;
 /**
  * Rendezvous messages up to BOUNCE_SLOT bytes are copied into per-connection
@@ -213,20 +211,8 @@ export class Connection implements MemoryHost {
   private freeSlots: number[] = [];
   private recvSlots = new Map<number, LocalMemory>();
 
-  private credits: number;
-  private toReturn = 0;
-  /**
-   * Of toReturn, the buffers that CREDIT messages consumed. Returning only
-   * those would answer a CREDIT with a CREDIT for ever (two sides that hold
-   * unread messages ping-pong one credit each way, at full speed): the
-   * starved rule below returns credits only when a real one is among them.
-   */
-  private echoCredits = 0;
-  /**
-   * The credits the peer sees (receives of ours it may consume): our depth,
-   * less every receive it consumed, plus every credit we reported.
-   */
-  private peerCredits: number;
+  /** Send credits both ways (credits.ts). */
+  private readonly cr: Credits;
   private sqOutstanding = 0;
   /** Slot ids of posted send WRs, in post order (completions arrive in this order). */
   private sqFifo: number[] = [];
@@ -270,8 +256,7 @@ export class Connection implements MemoryHost {
     this.pool = pool;
     this.opts = opts;
     this.peer = peer;
-    this.credits = peer.recvDepth;
-    this.peerCredits = opts.recvDepth;
+    this.cr = new Credits(peer.recvDepth, opts.recvDepth);
     this.onClosed = onClosed;
     this.memory = new MemoryProtocol(this, {
       quotaBytes: opts.quotaBytes,
@@ -325,7 +310,7 @@ export class Connection implements MemoryHost {
     this.peer.recvDepth = p.recvDepth;
     this.peer.eagerMax = p.eagerMax;
     if (p.maxMessageSize !== undefined) this.peer.maxMessageSize = p.maxMessageSize;
-    this.credits = p.recvDepth;
+    this.cr.setPeerDepth(p.recvDepth);
   }
 
   /** Posts the receive buffers; call before the QP connects so the peer never meets an empty queue. */
@@ -437,7 +422,7 @@ export class Connection implements MemoryHost {
       this.fail(e instanceof RdmaError ? e : new RdmaError("DEVICE", `postRecv failed: ${(e as Error).message}`, { cause: e }));
       return;
     }
-    this.toReturn += batch.length;
+    this.cr.reposted(batch.length);
     this.maybeSendCredits();
   }
 
@@ -501,18 +486,15 @@ export class Connection implements MemoryHost {
       while (q.length > 0 && room > 0) {
         const p = q[0]!;
         const need = min(p);
-        if (need > 0 && this.credits < need) break;
+        if (!this.cr.canSend(need)) break;
         q.shift();
         p.op.posted = true;
         p.onPost?.();
-        if (need > 0) this.credits--;
+        this.cr.spend(need);
         if (p.hdr !== null) {
           // piggyback the receive buffers we re-posted since the last report
           const a = p.hdr.alloc;
-          new DataView(a.buffer, a.bufOffset + 4, 4).setUint32(0, this.toReturn);
-          this.peerCredits += this.toReturn;
-          this.toReturn = 0;
-          this.echoCredits = 0;
+          new DataView(a.buffer, a.bufOffset + 4, 4).setUint32(0, this.cr.report());
         }
         const id = this.slot(p.op);
         p.wr.wrId = id;
@@ -523,10 +505,10 @@ export class Connection implements MemoryHost {
     };
     // CREDIT messages first, on their own queue: they may use the last credit, and must never
     // wait behind control or data messages that are themselves waiting for credits.
-    take(this.creditQ, () => CREDIT_RESERVE);
+    take(this.creditQ, () => NEED.credit);
     take(this.rdQ, () => 0);
-    take(this.ctrlQ, () => CREDIT_RESERVE + 1);
-    take(this.dataQ, (p) => (p.credit === 2 ? CREDIT_RESERVE + CTRL_RESERVE + 1 : 0));
+    take(this.ctrlQ, () => NEED.ctrl);
+    take(this.dataQ, (p) => (p.credit === 2 ? NEED.data : 0));
     if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
     if (batch.length === 0) return;
     // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
@@ -548,31 +530,10 @@ export class Connection implements MemoryHost {
     this.poller.afterPost(batch.length, this.sqOutstanding);
   }
 
-  /**
-   * Returns credits explicitly when nothing queued will carry them soon: when
-   * the queues are empty (after a quarter of the depth piled up), or when
-   * every queued message is itself waiting for credits (then as soon as two
-   * are owed; a CREDIT message costs the peer one buffer, so this cannot
-   * ping-pong). Without the second case both sides can wait on each other.
-   */
+  /** Sends a CREDIT message when the credit rule (credits.ts) says nothing queued will carry the credits soon. */
   private maybeSendCredits(): void {
-    if (this.creditQ.length > 0 || this.toReturn < 1) return;
-    // The peer may be unable to send us data (it sees fewer credits than a data message
-    // needs): return what we have now, even one, unless that one is only the buffer the
-    // peer's own CREDIT consumed (echoCredits): answering it would ping-pong for ever.
-    if (this.peerCredits < CREDIT_RESERVE + CTRL_RESERVE + 1) {
-      if (this.toReturn - Math.min(this.echoCredits, this.toReturn) >= 1 || this.toReturn >= 2) this.sendCredits();
-      return;
-    }
-    if (this.toReturn < 2) return;
-    const idle = this.ctrlQ.length === 0 && this.dataQ.length === 0;
-    if (idle) {
-      if (this.toReturn >= Math.max(2, this.opts.recvDepth >> 2)) this.sendCredits();
-      return;
-    }
-    const ctrlBlocked = this.ctrlQ.length === 0 || this.credits < CREDIT_RESERVE + 1;
-    const dataBlocked = this.dataQ.length === 0 || (this.dataQ[0]!.credit === 2 && this.credits < CREDIT_RESERVE + CTRL_RESERVE + 1);
-    if (ctrlBlocked && dataBlocked) this.sendCredits();
+    const d = this.dataQ;
+    if (this.cr.shouldSendCredits({ credit: this.creditQ.length > 0, ctrl: this.ctrlQ.length > 0, data: d.length > 0, dataHeadNeedsCredit: d.length > 0 && d[0]!.credit === 2 })) this.sendCredits();
   }
 
   /** CREDIT messages sent (stats: a quiet connection sends none). */
@@ -1049,7 +1010,7 @@ export class Connection implements MemoryHost {
         else this.fail(this.failure ?? new RdmaError("CONNECTION_CLOSED", "the connection was closed by the peer"));
         return;
       }
-      this.peerCredits--;
+      this.cr.consumed();
       this.onReceive(mem, b.opcode[i]!, b.byteLen[i]!, b.imm[i]!);
       return;
     }
@@ -1131,15 +1092,10 @@ export class Connection implements MemoryHost {
       this.protocolError(err);
       return;
     }
-    if (m.credits > this.peer.recvDepth) {
+    const breach = this.cr.returned(m.credits);
+    if (breach !== null) {
       mem.release();
-      this.protocolError(`peer returned ${m.credits} credits, more than its ${this.peer.recvDepth} receive buffers`);
-      return;
-    }
-    this.credits += m.credits;
-    if (this.credits > this.peer.recvDepth) {
-      mem.release();
-      this.protocolError(`peer returned more credits than its ${this.peer.recvDepth} receive buffers`);
+      this.protocolError(breach);
       return;
     }
     if (m.credits > 0 && (this.creditQ.length || this.rdQ.length || this.ctrlQ.length || this.dataQ.length)) this.flush();
@@ -1166,7 +1122,7 @@ export class Connection implements MemoryHost {
         return this.onRendezvous(m);
       default:
         this.putRecv(mem);
-        if (m.type === MsgType.CREDIT) this.echoCredits++;
+        if (m.type === MsgType.CREDIT) this.cr.echoed();
         this.repostRecv();
         return this.onControl(m);
     }
@@ -1306,7 +1262,11 @@ export class Connection implements MemoryHost {
     this.keepUnread = !this.closing;
     if (this.keepUnread) {
       let j = 0;
-      for (const e of this.incoming) if (e.ready) this.incoming[j++] = e;
+      for (const e of this.incoming) {
+        if (e.ready) this.incoming[j++] = e;
+        // A READ still in flight frees its memory when it completes, however it completes.
+        else if (e.rndv) e.rndv.cancelled = true;
+      }
       this.incoming.length = j;
       this.deliver();
     }
@@ -1410,7 +1370,15 @@ export class Connection implements MemoryHost {
     for (const m of this.handedOut) m.migrate();
     this.handedOut.clear();
     if (this.keepUnread) {
-      for (const e of this.incoming) e.mr!.mem.migrate();
+      // (Completions drained after fail() may have added entries: keep the whole ones only.)
+      let j = 0;
+      for (const e of this.incoming) {
+        if (e.ready && e.mr) {
+          e.mr.mem.migrate();
+          this.incoming[j++] = e;
+        }
+      }
+      this.incoming.length = j;
     } else {
       for (const e of this.incoming.splice(0)) e.mr?.mem.release();
     }
@@ -1482,6 +1450,6 @@ export class Connection implements MemoryHost {
   }
 
   stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number; sharesOpenedByPeer: number; sharesOpened: number; recycledReceives: number; creditMessages: number } {
-    return { credits: this.credits, sqOutstanding: this.sqOutstanding, ...this.memory.stats(), unread: this.held(), rendezvousOut: this.rndvOut.size, recycledReceives: this.recycledRecvs, creditMessages: this.creditMessages };
+    return { credits: this.cr.credits, sqOutstanding: this.sqOutstanding, ...this.memory.stats(), unread: this.held(), rendezvousOut: this.rndvOut.size, recycledReceives: this.recycledRecvs, creditMessages: this.creditMessages };
   }
 }
