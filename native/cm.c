@@ -42,6 +42,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include "napi_util.h"
 
 typedef struct cm_state cm_state_t;
 typedef struct cm_id cm_id_t;
@@ -71,53 +72,11 @@ struct cm_state {
 };
 
 /* ------------------------------------------------------------------ errors */
-static const char *errno_name(int e) {
-  const char *n = strerrorname_np(e);
-  return n ? n : "EUNKNOWN";
-}
-
-static void *throw_code(napi_env env, const char *code, const char *msg) {
-  napi_value m, err, c;
-  napi_create_string_utf8(env, msg, NAPI_AUTO_LENGTH, &m);
-  napi_create_error(env, NULL, m, &err);
-  napi_create_string_utf8(env, code, NAPI_AUTO_LENGTH, &c);
-  napi_set_named_property(env, err, "errno", c);
-  napi_throw(env, err);
-  return NULL;
-}
-
-static void *throw_errno(napi_env env, const char *call, int e) {
-  char msg[256];
-  if (e <= 0) e = EIO;
-  snprintf(msg, sizeof msg, "%s failed: %s (%s)", call, strerror(e), errno_name(e));
-  return throw_code(env, errno_name(e), msg);
-}
-
-static void *throw_arg(napi_env env, const char *msg) { return throw_code(env, "EINVAL", msg); }
-
 #define ARGS(n)                                                                                   \
   size_t argc = (n);                                                                              \
   napi_value argv[(n) > 0 ? (n) : 1];                                                             \
   if (napi_get_cb_info(env, info, &argc, argv, NULL, NULL) != napi_ok) return throw_arg(env, "bad call"); \
   for (size_t i_ = argc; i_ < (n); i_++) napi_get_undefined(env, &argv[i_])
-
-static napi_value num(napi_env env, double d) {
-  napi_value v;
-  napi_create_double(env, d, &v);
-  return v;
-}
-static napi_value str(napi_env env, const char *s) {
-  napi_value v;
-  napi_create_string_utf8(env, s, NAPI_AUTO_LENGTH, &v);
-  return v;
-}
-static napi_value null_v(napi_env env) {
-  napi_value v;
-  napi_get_null(env, &v);
-  return v;
-}
-static void set(napi_env env, napi_value o, const char *k, napi_value v) { napi_set_named_property(env, o, k, v); }
-static int get_u32(napi_env env, napi_value v, uint32_t *out) { return napi_get_value_uint32(env, v, out) == napi_ok ? 0 : -1; }
 
 static cm_state_t *state_of(napi_env env) {
   cm_state_t *st = NULL;
@@ -600,11 +559,6 @@ static napi_value cm_destroy_id(napi_env env, napi_callback_info info) {
   int e = id_destroy(c);
   if (e) return throw_errno(env, "rdma_destroy_id", e);
   return NULL;
-}
-
-static void guid_str(uint64_t be, char *out, size_t n) {
-  uint64_t g = be64toh(be);
-  snprintf(out, n, "%04x:%04x:%04x:%04x", (unsigned)(g >> 48) & 0xffff, (unsigned)(g >> 32) & 0xffff, (unsigned)(g >> 16) & 0xffff, (unsigned)g & 0xffff);
 }
 
 /* info(id) -> { deviceName, deviceGuid, portNum, localAddr, localPort, peerAddr, peerPort } (device null before resolution/bind) */

@@ -51,6 +51,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include "napi_util.h"
 
 /* ------------------------------------------------------------------ layout */
 /* Must match src/transport/verbs/codec.ts. All fields little-endian (host). */
@@ -457,33 +458,6 @@ static void handle_finalize(napi_env env, void *data, void *hint) {
 }
 
 /* ------------------------------------------------------------------ errors */
-static const char *errno_name(int e) {
-  const char *n = strerrorname_np(e);
-  return n ? n : "EUNKNOWN";
-}
-
-static void throw_code(napi_env env, const char *code, const char *msg) {
-  napi_value m, err, c;
-  napi_create_string_utf8(env, msg, NAPI_AUTO_LENGTH, &m);
-  napi_create_error(env, NULL, m, &err);
-  napi_create_string_utf8(env, code, NAPI_AUTO_LENGTH, &c);
-  napi_set_named_property(env, err, "errno", c);
-  napi_throw(env, err);
-}
-
-static void *throw_errno(napi_env env, const char *call, int e) {
-  char msg[256];
-  if (e <= 0) e = EIO;
-  snprintf(msg, sizeof msg, "%s failed: %s (%s)", call, strerror(e), errno_name(e));
-  throw_code(env, errno_name(e), msg);
-  return NULL;
-}
-
-static void *throw_arg(napi_env env, const char *msg) {
-  throw_code(env, "EINVAL", msg);
-  return NULL;
-}
-
 #define CHECK(call)                                              \
   do {                                                           \
     if ((call) != napi_ok) {                                     \
@@ -526,21 +500,6 @@ static obj_t *get_obj(napi_env env, napi_value v, enum kind k, int must_be_live)
   type *var = (type *)get_obj(env, (val), (kind), 1); \
   if (!var) return NULL
 
-static int get_u32(napi_env env, napi_value v, uint32_t *out) { return napi_get_value_uint32(env, v, out) == napi_ok ? 0 : -1; }
-static int get_f64(napi_env env, napi_value v, double *out) { return napi_get_value_double(env, v, out) == napi_ok ? 0 : -1; }
-
-static napi_value num(napi_env env, double d) {
-  napi_value v;
-  napi_create_double(env, d, &v);
-  return v;
-}
-static napi_value str(napi_env env, const char *s) {
-  napi_value v;
-  napi_create_string_utf8(env, s, NAPI_AUTO_LENGTH, &v);
-  return v;
-}
-static void set(napi_env env, napi_value o, const char *k, napi_value v) { napi_set_named_property(env, o, k, v); }
-
 static napi_value make_handle(napi_env env, obj_t *o) {
   napi_value v;
   if (napi_create_external(env, o, handle_finalize, NULL, &v) != napi_ok) return NULL;
@@ -550,11 +509,6 @@ static napi_value make_handle(napi_env env, obj_t *o) {
 
 static void gid_str(const union ibv_gid *g, char *out, size_t n) {
   if (!inet_ntop(AF_INET6, g->raw, out, (socklen_t)n)) snprintf(out, n, "::");
-}
-
-static void guid_str(uint64_t be, char *out, size_t n) {
-  uint64_t g = be64toh(be);
-  snprintf(out, n, "%04x:%04x:%04x:%04x", (unsigned)(g >> 48) & 0xffff, (unsigned)(g >> 32) & 0xffff, (unsigned)(g >> 16) & 0xffff, (unsigned)g & 0xffff);
 }
 
 /* Runs a JS callback from a libuv callback: handle scope, async context

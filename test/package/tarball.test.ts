@@ -106,12 +106,12 @@ describe("package tarball", { timeout: 120_000 }, () => {
 
   it("ships dist (no tests), the native sources and build scripts, README, LICENSE, CHANGELOG, and nothing else", () => {
     const paths = packed.files.map((f) => f.path);
-    for (const p of ["package.json", "README.md", "LICENSE", "CHANGELOG.md", "binding.gyp", "native/verbs.c", "native/cm.c", "scripts/build-native.mjs", "scripts/install.mjs", "dist/src/index.js", "dist/src/index.d.ts", "dist/src/cli/main.js", "dist/examples/lab/run.js"]) {
+    for (const p of ["package.json", "README.md", "LICENSE", "CHANGELOG.md", "binding.gyp", "native/verbs.c", "native/cm.c", "native/napi_util.h", "scripts/build-native.mjs", "scripts/install.mjs", "dist/src/index.js", "dist/src/index.d.ts", "dist/src/cli/main.js", "dist/examples/lab/run.js"]) {
       assert.ok(paths.includes(p), `${p} is not in the tarball`);
     }
     const stray = paths.filter(
       (p) =>
-        !/^(package\.json|README\.md|LICENSE|CHANGELOG\.md|binding\.gyp|native\/[\w-]+\.c|scripts\/(build-native|install)\.mjs|prebuilds\/linux-x64\/async_rdma_(verbs|cm)\.glibc\.node)$/.test(p) &&
+        !/^(package\.json|README\.md|LICENSE|CHANGELOG\.md|binding\.gyp|native\/[\w-]+\.[ch]|scripts\/(build-native|install)\.mjs|prebuilds\/linux-x64\/async_rdma_(verbs|cm)\.glibc\.node)$/.test(p) &&
         !/^dist\/(src|examples)\/.*\.(js|d\.ts)$/.test(p),
     );
     assert.deepEqual(stray, [], "files outside the whitelist");
