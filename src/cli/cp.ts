@@ -22,8 +22,8 @@ import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./copy/common.
 import { checkRel, CopyError, resolveInsideSync, withPath } from "./copy/paths.js";
 import { allocRing, chunkCount, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
-import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
-import { encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
+import { makeDir, makeLink, mapLimit, MAX_ENTRIES, peerMode, setTimes, walk } from "./copy/tree.js";
+import { checkListing, encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
 import { Progress, type OutputMode } from "./copy/progress.js";
 
 /** Measured defaults (docs/performance.md, "cp"). */
@@ -49,6 +49,8 @@ directory). Either every src is remote (download) or dest is (upload).
                           (same size and mtime) are skipped, a partial file
                           continues from its verified prefix
       --no-verify         no CRC-32 checks (faster, less CPU)
+      --keep-setid        downloads keep the setuid/setgid bits the server sends
+                          (by default they are dropped)
       --chunk <size>      bytes per chunk (default 1m; 4k to 16m)
       --depth <n>         chunks in flight (default ${DEFAULT_DEPTH}; 1 to 64)
       --provider <p>      tcp, verbs or auto (default auto)
@@ -100,6 +102,8 @@ interface Options {
   provider: string | undefined;
   keyFile: string | undefined;
   mode: OutputMode;
+  /** Downloads keep the setuid/setgid bits the server sends (--keep-setid). */
+  keepSetid: boolean;
 }
 
 /** Slot numbers of the ring, from a free list. */
@@ -461,16 +465,21 @@ async function planDownload(s: Session, srcs: string[], dest: string): Promise<I
   if (srcs.length > 1 && !isDir) throw new CopyError("ENOTDIR", `${dest}: ${dst ? "is a file, a directory is expected" : "no such directory"} (several sources)`);
   const items: Item[] = [];
   for (const src of srcs) {
-    let entries: Entry[];
+    let answer: Record<string, unknown>;
     try {
-      entries = (await s.call("list", { path: src })).entries as Entry[];
+      answer = await s.call("list", { path: src });
     } catch (e) {
       if (fatal(e)) throw e;
       p.fail(src, codeOf(e), msgOf(e));
       continue;
     }
+    // the whole listing is refused when any of it is malformed (PROTOCOL: the server is broken or hostile)
+    const entries = checkListing(answer.entries, MAX_ENTRIES);
     const top = entries[0];
-    if (!top) continue;
+    if (!top) {
+      p.fail(src, "EINVAL", "not a regular file, directory or link (sockets, FIFOs and devices are not copied)");
+      continue;
+    }
     const base = isDir ? join(dest, basename(src) || ".") : dest;
     if (top.type === "dir") {
       if (!s.opts.recursive) {
@@ -483,8 +492,7 @@ async function planDownload(s: Session, srcs: string[], dest: string): Promise<I
       }
     }
     for (const e of entries) {
-      // a server names only paths under what we asked for
-      const rel = checkRel(e.path);
+      const rel = e.path;
       items.push({ from: rel === "" ? src : posix.join(src, rel), to: rel === "" ? base : join(base, rel), entry: e, base, rel });
     }
   }
@@ -496,6 +504,8 @@ async function download(s: Session, items: Item[]): Promise<void> {
   // targets are resolved when written (the directories of this copy are created first)
   const parents = new Map<string, string>();
   const at_ = (i: Item): string => localTarget(i, parents);
+  // the server chooses modes: setuid/setgid only when the user asked for them
+  const mode = (m: number): number => peerMode(m, s.opts.keepSetid);
   const each = async (list: Item[], fn: (i: Item) => Promise<void>): Promise<Result[]> =>
     mapLimit(list, 1, async (i) => {
       try {
@@ -506,7 +516,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
       }
     });
   await transferTree(s, items, {
-    mkdirs: (dirs, times) => each(dirs, async (i) => (times ? setTimes(at_(i), i.entry.mode, i.entry.mtimeMs) : makeDir(at_(i), i.entry.mode | 0o700))),
+    mkdirs: (dirs, times) => each(dirs, async (i) => (times ? setTimes(at_(i), mode(i.entry.mode), i.entry.mtimeMs) : makeDir(at_(i), mode(i.entry.mode) | 0o700))),
     links: (links) => each(links, async (i) => makeLink(at_(i), i.entry.target ?? "")),
     same: (files) =>
       mapLimit(files, 16, async (i) => {
@@ -529,7 +539,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
           if (!("crc" in f)) p.fail(i.from, f.code, f.message);
           else {
             try {
-              todo.push({ i, b: { abs: at_(i), f, data: s.local.subarray(at + f.off, at + f.off + f.size) } });
+              todo.push({ i, b: { abs: at_(i), f: { ...f, mode: mode(f.mode) }, data: s.local.subarray(at + f.off, at + f.off + f.size) } });
             } catch (e) {
               p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
             }
@@ -556,7 +566,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
       let open = true;
       let sink: FileSink | null = null;
       try {
-        const meta = { size: Number(o.size), mode: Number(o.mode), mtimeMs: Number(o.mtimeMs) };
+        const meta = { size: Number(o.size), mode: mode(Number(o.mode)), mtimeMs: Number(o.mtimeMs) };
         sink = await FileSink.open(at_(i), meta, s.chunk, s.opts.resume, s.opts.verify, s.direct);
         let first = 0;
         if (sink.existing.length > 0) {
@@ -597,7 +607,7 @@ async function directoryOf(dest: string): Promise<string> {
 }
 
 export async function cp(args: string[]): Promise<number> {
-  const opts: Options = { recursive: false, resume: false, verify: true, chunk: DEFAULT_CHUNK, depth: DEFAULT_DEPTH, provider: undefined, keyFile: undefined, mode: "human" };
+  const opts: Options = { recursive: false, resume: false, verify: true, chunk: DEFAULT_CHUNK, depth: DEFAULT_DEPTH, provider: undefined, keyFile: undefined, mode: "human", keepSetid: false };
   const paths: string[] = [];
   for (let i = 0; i < args.length; i++) {
     const a = args[i]!;
@@ -607,6 +617,7 @@ export async function cp(args: string[]): Promise<number> {
     } else if (a === "-r" || a === "--recursive") opts.recursive = true;
     else if (a === "--resume") opts.resume = true;
     else if (a === "--no-verify") opts.verify = false;
+    else if (a === "--keep-setid") opts.keepSetid = true;
     else if (a === "--chunk") {
       opts.chunk = parseSize(args[++i], "--chunk");
       if (opts.chunk < 4096 || opts.chunk > 16 * 1024 * 1024) throw new CopyError("USAGE", "--chunk must be between 4k and 16m");

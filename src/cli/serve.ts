@@ -8,13 +8,14 @@
  * Uploads land under temporary names until complete and verified.
  */
 import { lstat, realpath } from "node:fs/promises";
+import { dirname } from "node:path";
 import { RpcServer, type RpcHandler } from "../rpc/index.js";
 import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
 import { checkLinkTarget, checkRel, CopyError, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
 import { allocRing, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
-import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
+import { makeDir, makeLink, mapLimit, peerMode, setTimes, walk } from "./copy/tree.js";
 import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str, toJson, VERSION, type Result, type SmallResult } from "./copy/protocol.js";
 
 export const USAGE = `usage: async-rdma serve [dir] [options]
@@ -24,6 +25,8 @@ Nothing outside it is readable or writable.
   -p, --port <n>          port to listen on (default ${DEFAULT_PORT}; 0 picks a free one)
       --bind <addr>       address to listen on (default 0.0.0.0)
       --read-only         refuse uploads and every change to the tree
+      --keep-setid        keep the setuid/setgid bits of uploaded files and directories
+                          (by default they are dropped)
       --auth-key-file <f> accept only clients that have this key (16 bytes or more)
       --provider <p>      tcp, verbs or auto (default auto)
   -h, --help              this help
@@ -43,6 +46,8 @@ const MAX_BATCH_FILES = 10_000;
 interface Options {
   root: string;
   readOnly: boolean;
+  /** Uploaded modes keep their setuid/setgid bits (--keep-setid). */
+  keepSetid: boolean;
 }
 
 /** One client's state: its ring and the files it has open. */
@@ -196,8 +201,9 @@ function handlers(s: Session): Record<string, RpcHandler> {
       return {
         results: await each(arr(o, "dirs", 1_000_000), async (d) => {
           const { abs } = await where(s, d.path);
-          if (times) await setTimes(abs, int(d, "mode", 0, 0o7777), num(d, "mtimeMs", -1e15, 1e15));
-          else await makeDir(abs, int(d, "mode", 0, 0o7777) | 0o700);
+          const mode = peerMode(int(d, "mode", 0, 0o7777), s.opts.keepSetid);
+          if (times) await setTimes(abs, mode, num(d, "mtimeMs", -1e15, 1e15));
+          else await makeDir(abs, mode | 0o700);
         }),
       };
     }),
@@ -207,7 +213,8 @@ function handlers(s: Session): Record<string, RpcHandler> {
         results: await each(arr(o, "links", 1_000_000), async (l) => {
           const { rel, abs } = await where(s, l.path);
           const target = str(l, "target");
-          checkLinkTarget(rel, target);
+          // judged from the link's real directory (abs's parent is a realpath), as the kernel will resolve it
+          checkLinkTarget(rel, target, root, dirname(abs));
           await makeLink(abs, target);
         }),
       };
@@ -216,7 +223,7 @@ function handlers(s: Session): Record<string, RpcHandler> {
       s.writable();
       const { rel, abs } = await where(s, o.path);
       if (rel === "") throw new CopyError("EISDIR", "the destination is the served directory, a file is expected");
-      const meta = { size: int(o, "size"), mode: int(o, "mode", 0, 0o7777), mtimeMs: num(o, "mtimeMs", -1e15, 1e15) };
+      const meta = { size: int(o, "size"), mode: peerMode(int(o, "mode", 0, 0o7777), s.opts.keepSetid), mtimeMs: num(o, "mtimeMs", -1e15, 1e15) };
       const id = s.id();
       try {
         const sink = await FileSink.open(abs, meta, s.chunk, o.resume === true, s.verify, s.direct);
@@ -279,7 +286,7 @@ function handlers(s: Session): Record<string, RpcHandler> {
     putSmall: json(async (o) => {
       s.writable();
       const slot = int(o, "slot", 0, 0xffffffff);
-      const files = smallFiles(o, "files", s.chunk, MAX_BATCH_FILES);
+      const files = smallFiles(o, "files", s.chunk, MAX_BATCH_FILES).map((f) => ("crc" in f ? { ...f, mode: peerMode(f.mode, s.opts.keepSetid) } : f));
       const parents = new Map<string, string>();
       const results: Result[] = files.map(() => ({ ok: true }));
       // the bytes are in our slot (the client WROTE them before this call, on the same QP)
@@ -382,6 +389,7 @@ export async function serve(args: string[]): Promise<void> {
   let port = DEFAULT_PORT;
   let bind = "0.0.0.0";
   let readOnly = false;
+  let keepSetid = false;
   let keyFile: string | undefined;
   let provider: string | undefined;
   for (let i = 0; i < args.length; i++) {
@@ -392,6 +400,7 @@ export async function serve(args: string[]): Promise<void> {
     } else if (a === "-p" || a === "--port") port = parseIntArg(args[++i], a, 0, 65535);
     else if (a === "--bind") bind = args[++i] ?? "";
     else if (a === "--read-only") readOnly = true;
+    else if (a === "--keep-setid") keepSetid = true;
     else if (a === "--auth-key-file") keyFile = args[++i];
     else if (a === "--provider") provider = args[++i];
     else if (a.startsWith("-")) throw new CopyError("USAGE", `unknown option ${a} (async-rdma serve --help)`);
@@ -411,7 +420,7 @@ export async function serve(args: string[]): Promise<void> {
   process.once("SIGINT", stop);
   process.once("SIGTERM", stop);
   for await (const rdma of listener) {
-    const session = new Session(rdma, { root, readOnly });
+    const session = new Session(rdma, { root, readOnly, keepSetid });
     void new RpcServer(handlers(session), { maxInFlight: 256 })
       .serve(rdma)
       .catch((e: unknown) => console.error(`async-rdma serve: a connection from ${rdma.peer.address} failed: ${(e as Error).message}`))

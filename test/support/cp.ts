@@ -9,7 +9,9 @@ import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import { dirname, join } from "node:path";
 import { PROVIDER, deviceNames, SLOW } from "./seam.js";
-import { HOST } from "./api.js";
+import { HOST, at as hostPort, builder } from "./api.js";
+import { RpcClient, RpcServer, type RpcHandler } from "../../src/rpc/index.js";
+import type { LocalMr, Rdma, RdmaListener } from "../../src/index.js";
 
 const here = dirname(fileURLToPath(import.meta.url));
 export const MAIN = join(here, "..", "..", "src", "cli", "main.js");
@@ -142,6 +144,76 @@ export async function cpStopped(args: string[], bytes: number): Promise<{ proc: 
     async finish() {
       const code = await proc.exited();
       return parse(code, proc.out(), proc.err());
+    },
+  };
+}
+
+/** A connection to a server speaking the cp protocol by hand: JSON calls, each with a deadline. */
+export interface RawClient {
+  rdma: Rdma;
+  rpc: RpcClient;
+  /** Calls `method` with the JSON `o`; resolves to the JSON answer (rejects with the server's error). */
+  call(method: string, o: unknown, timeoutMs?: number): Promise<Record<string, unknown>>;
+  close(): Promise<void>;
+}
+
+export async function rawClient(port: number): Promise<RawClient> {
+  const rdma = await builder("client").connect(hostPort(port));
+  const rpc = new RpcClient(rdma);
+  return {
+    rdma,
+    rpc,
+    call: async (method, o, timeoutMs = DEADLINE) => JSON.parse(new TextDecoder().decode(await rpc.call(method, new TextEncoder().encode(JSON.stringify(o)), { timeoutMs }))) as Record<string, unknown>,
+    close: async () => void (await rdma.close().catch(() => {})),
+  };
+}
+
+/** What a fake server's handler sees: the call's JSON and the connection's ring (shared as "cp-ring"). */
+export type FakeHandler = (o: Record<string, unknown>, ring: LocalMr) => unknown;
+
+export interface FakeServer {
+  port: number;
+  at(path?: string): string;
+  close(): Promise<void>;
+}
+
+/**
+ * An in-process server that speaks the cp protocol with handlers the test
+ * writes (a hostile server): `hello` is answered as serve does (a ring of
+ * chunk × depth shared as "cp-ring") unless the test gives its own.
+ */
+export async function fakeServer(handlers: Record<string, FakeHandler>): Promise<FakeServer> {
+  const listener: RdmaListener = await builder("server").bind(hostPort(0));
+  const conns = new Set<Rdma>();
+  void (async () => {
+    for await (const rdma of listener) {
+      conns.add(rdma);
+      let ring: LocalMr | null = null;
+      const json =
+        (fn: (o: Record<string, unknown>) => unknown): RpcHandler =>
+        async (p) => new TextEncoder().encode(JSON.stringify(await fn(JSON.parse(new TextDecoder().decode(p)) as Record<string, unknown>)));
+      const table: Record<string, RpcHandler> = {
+        hello: json((o) => {
+          const chunk = Number(o.chunk);
+          const depth = Number(o.depth);
+          ring = rdma.allocLocalMr(chunk * depth);
+          rdma.share("cp-ring", ring, { access: "read" });
+          return { version: 1, chunk, depth, ring: "cp-ring", readOnly: false };
+        }),
+      };
+      for (const [name, fn] of Object.entries(handlers)) table[name] = json((o) => fn(o, ring!));
+      void new RpcServer(table)
+        .serve(rdma)
+        .catch(() => {})
+        .finally(() => conns.delete(rdma));
+    }
+  })().catch(() => {});
+  return {
+    port: listener.port,
+    at: (path = "") => `${HOST}:${listener.port}:${path}`,
+    async close() {
+      await Promise.allSettled([...conns].map((c) => c.close()));
+      await listener.close().catch(() => {});
     },
   };
 }

@@ -277,7 +277,7 @@ export class FileSink {
     let fh: FileHandle | null = null;
     let existing: number[] = [];
     if (resume) {
-      fh = await open(tmp, constants.O_RDWR | constants.O_NOFOLLOW).catch(() => null);
+      fh = await open(tmp, constants.O_RDWR | constants.O_NOFOLLOW | constants.O_NONBLOCK).catch(() => null);
       if (fh) {
         const s = await fh.stat();
         if (!s.isFile()) {
@@ -287,7 +287,13 @@ export class FileSink {
         existing = await chunkCrcs(fh, Math.min(s.size, meta.size), chunk, chunkCount(meta.size, chunk));
       }
     }
-    fh ??= await open(tmp, constants.O_RDWR | constants.O_CREAT | constants.O_TRUNC | constants.O_NOFOLLOW, 0o600);
+    if (!fh) {
+      fh = await open(tmp, constants.O_RDWR | constants.O_CREAT | constants.O_TRUNC | constants.O_NOFOLLOW | constants.O_NONBLOCK, 0o600);
+      if (!(await fh.stat()).isFile()) {
+        await fh.close();
+        throw new CopyError("EEXIST", `${basename(tmp)} exists and is not a regular file`);
+      }
+    }
     const sink = new FileSink(abs, tmp, meta, chunk, fh, existing, verify);
     if (direct && O_DIRECT !== undefined && chunk % DIRECT_ALIGN === 0 && meta.size >= chunk) {
       // the same file again, by its descriptor (the name could have been replaced meanwhile)
@@ -403,9 +409,13 @@ export class FileSource {
     return { size: this.st.size, mode: this.st.mode & 0o7777, mtimeMs: this.st.mtimeMs };
   }
 
-  /** Opens a regular file; the last component is not followed unless `follow`. */
+  /**
+   * Opens a regular file; the last component is not followed unless
+   * `follow`. Anything else is refused without blocking (non-blocking open:
+   * a FIFO would otherwise hold a thread of libuv's pool until a writer came).
+   */
   static async open(abs: string, follow = false): Promise<FileSource> {
-    const fh = await open(abs, constants.O_RDONLY | (follow ? 0 : constants.O_NOFOLLOW));
+    const fh = await open(abs, constants.O_RDONLY | constants.O_NONBLOCK | (follow ? 0 : constants.O_NOFOLLOW));
     const st = await fh.stat();
     if (!st.isFile()) {
       await fh.close();
@@ -418,7 +428,7 @@ export class FileSource {
   async readChunk(i: number, chunk: number, buf: Uint8Array, verify = true): Promise<number> {
     const n = chunkLen(this.st.size, chunk, i);
     const got = await readFully(this.fh, buf, n, i * chunk);
-    if (got < n) throw new CopyError("SOURCE_CHANGED", `${this.abs}: the file shrank during the copy (chunk ${i} short by ${n - got} bytes); rerun with --resume`);
+    if (got < n) throw new CopyError("SOURCE_CHANGED", `the file shrank during the copy (chunk ${i} short by ${n - got} bytes); rerun with --resume`);
     const c = verify ? crc32(buf.subarray(0, n)) >>> 0 : 0;
     this.crcs[i] = c;
     return c;
