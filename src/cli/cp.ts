@@ -13,7 +13,7 @@
  * travel the same way, many per slot and per call (a batch fills one slot).
  * See docs/cp.md.
  */
-import { lstat, realpath, stat } from "node:fs/promises";
+import { lstat, readdir, realpath, stat } from "node:fs/promises";
 import { realpathSync } from "node:fs";
 import { basename, dirname, join, posix } from "node:path";
 import { RpcClient, RpcError } from "../rpc/index.js";
@@ -265,6 +265,25 @@ function localTarget(i: Item, parents: Map<string, string>): string {
 
 // ---------------------------------------------------------------- upload
 
+/** The names and types at the top of a listing (its own entry and temporary files left out). */
+function topLevel(entries: readonly Entry[]): Map<string, string> {
+  return new Map(entries.filter((e) => e.path !== "" && !e.path.includes("/")).map((e) => [e.path, e.type]));
+}
+
+/**
+ * --resume with one directory source into an existing directory `dest`
+ * that holds nothing named after the source: is `dest` the copy an earlier
+ * run made when it did not exist yet (`cp -r tree dest` makes `dest` the
+ * copy of `tree` when `dest` is new, `dest/tree` when it exists)? It is when
+ * everything at its top is also at the source's top, with the same type.
+ * An empty directory is not: the copy goes into it, as without --resume.
+ */
+function earlierCopy(dest: Map<string, string>, src: Map<string, string>): boolean {
+  if (dest.size === 0) return false;
+  for (const [name, type] of dest) if (src.get(name) !== type) return false;
+  return true;
+}
+
 async function planUpload(s: Session, srcs: string[], dest: string): Promise<Item[]> {
   const p = s.p;
   const d = fromJson(await s.rpcCall("stat", toJson({ path: dest })));
@@ -279,7 +298,7 @@ async function planUpload(s: Session, srcs: string[], dest: string): Promise<Ite
       p.fail(src, codeOf(e), msgOf(withPath(e, src)));
       continue;
     }
-    const base = dtype === "dir" ? posix.join(dest, basename(src)) : dest;
+    let base = dtype === "dir" ? posix.join(dest, basename(src)) : dest;
     if (st.isDirectory()) {
       if (!s.opts.recursive) {
         p.fail(src, "EISDIR", "is a directory (use -r)");
@@ -290,8 +309,18 @@ async function planUpload(s: Session, srcs: string[], dest: string): Promise<Ite
         continue;
       }
       const root = await realpath(src);
-      for (const e of await walk(root)) items.push({ from: e.path === "" ? root : join(root, e.path), to: e.path === "" ? base : posix.join(base, e.path), entry: e });
+      const entries = await walk(root);
+      if (s.opts.resume && dtype === "dir" && srcs.length === 1 && String((await s.call("stat", { path: base })).type) === "none") {
+        const theirs = checkListing((await s.call("list", { path: dest })).entries, MAX_ENTRIES);
+        if (earlierCopy(topLevel(theirs), topLevel(entries))) base = dest;
+      }
+      for (const e of entries) items.push({ from: e.path === "" ? root : join(root, e.path), to: e.path === "" ? base : posix.join(base, e.path), entry: e });
     } else if (st.isFile()) {
+      // a trailing slash names a directory, as with cp and scp
+      if (dtype !== "dir" && dest.endsWith("/")) {
+        p.fail(src, dtype === "none" ? "ENOENT" : "ENOTDIR", `${dest}: ${dtype === "none" ? "no such directory" : "not a directory"}`);
+        continue;
+      }
       items.push({ from: src, to: base, entry: { path: "", type: "file", size: st.size, mode: st.mode & 0o7777, mtimeMs: st.mtimeMs } });
     } else p.fail(src, "EINVAL", "not a regular file or directory");
   }
@@ -458,6 +487,17 @@ async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void
 
 // ---------------------------------------------------------------- download
 
+/** topLevel() of a local directory. */
+async function localTopLevel(dir: string): Promise<Map<string, string>> {
+  const out = new Map<string, string>();
+  for (const n of await readdir(dir)) {
+    if (n.startsWith(".") && n.endsWith(".rdma-part")) continue;
+    const st = await lstat(join(dir, n)).catch(() => null);
+    out.set(n, st?.isSymbolicLink() ? "symlink" : st?.isDirectory() ? "dir" : st?.isFile() ? "file" : "other");
+  }
+  return out;
+}
+
 async function planDownload(s: Session, srcs: string[], dest: string): Promise<Item[]> {
   const p = s.p;
   const dst = await lstat(dest).catch(() => null);
@@ -467,7 +507,9 @@ async function planDownload(s: Session, srcs: string[], dest: string): Promise<I
   for (const src of srcs) {
     let answer: Record<string, unknown>;
     try {
-      answer = await s.call("list", { path: src });
+      // a link named on the command line is followed (as for uploads, and as scp does); the
+      // server answers the path it resolved to, inside the served tree
+      answer = await s.call("list", { path: src, follow: true });
     } catch (e) {
       if (fatal(e)) throw e;
       p.fail(src, codeOf(e), msgOf(e));
@@ -480,7 +522,13 @@ async function planDownload(s: Session, srcs: string[], dest: string): Promise<I
       p.fail(src, "EINVAL", "not a regular file, directory or link (sockets, FIFOs and devices are not copied)");
       continue;
     }
-    const base = isDir ? join(dest, basename(src) || ".") : dest;
+    if (top.type === "symlink") {
+      // a server that does not follow links (older than this cp) lists the link itself
+      p.fail(src, "ELOOP", "is a symlink on the server, which did not follow it (a newer async-rdma serve does)");
+      continue;
+    }
+    const from = typeof answer.path === "string" ? checkRel(answer.path) : src;
+    let base = isDir ? join(dest, basename(src) || ".") : dest;
     if (top.type === "dir") {
       if (!s.opts.recursive) {
         p.fail(src, "EISDIR", "is a directory (use -r)");
@@ -490,10 +538,15 @@ async function planDownload(s: Session, srcs: string[], dest: string): Promise<I
         p.fail(dest, "ENOTDIR", "the destination is a file, a directory is expected");
         continue;
       }
+      if (s.opts.resume && isDir && srcs.length === 1 && basename(src) !== "" && (await lstat(base).catch(() => null)) === null && earlierCopy(await localTopLevel(dest), topLevel(entries))) base = dest;
+    } else if (!isDir && dest.endsWith("/")) {
+      // a trailing slash names a directory, as with cp and scp
+      p.fail(dest, dst ? "ENOTDIR" : "ENOENT", dst ? "not a directory" : "no such directory");
+      continue;
     }
     for (const e of entries) {
       const rel = e.path;
-      items.push({ from: rel === "" ? src : posix.join(src, rel), to: rel === "" ? base : join(base, rel), entry: e, base, rel });
+      items.push({ from: rel === "" ? from : posix.join(from, rel), to: rel === "" ? base : join(base, rel), entry: e, base, rel });
     }
   }
   return items;

@@ -8,11 +8,11 @@
  * Uploads land under temporary names until complete and verified.
  */
 import { lstat, realpath } from "node:fs/promises";
-import { dirname } from "node:path";
+import { dirname, relative } from "node:path";
 import { RpcServer, type RpcHandler } from "../rpc/index.js";
 import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
-import { checkLinkTarget, checkRel, CopyError, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
+import { checkLinkTarget, checkRel, CopyError, inside, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
 import { allocRing, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
 import { makeDir, makeLink, mapLimit, peerMode, setTimes, walk } from "./copy/tree.js";
@@ -179,9 +179,21 @@ function handlers(s: Session): Record<string, RpcHandler> {
       }
     }),
     list: json(async (o) => {
-      const { rel, abs } = await where(s, o.path);
+      let { rel, abs } = await where(s, o.path);
+      // follow: a link named on cp's command line is followed, to where it leads inside the tree
+      if (o.follow === true && rel !== "" && (await lstat(abs).catch(() => null))?.isSymbolicLink() === true) {
+        let real: string;
+        try {
+          real = await realpath(abs);
+        } catch (e) {
+          throw withPath(e, rel);
+        }
+        if (!inside(root, real)) throw new CopyError("ESCAPE", `${JSON.stringify(rel)} is a link that leads outside the served directory: refused`);
+        abs = real;
+        rel = relative(root, real);
+      }
       try {
-        return { entries: await walk(abs) };
+        return { entries: await walk(abs), path: rel };
       } catch (e) {
         throw withPath(e, rel);
       }

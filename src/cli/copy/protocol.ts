@@ -8,7 +8,9 @@
  *           for a read-only server, else "write". Slot k is bytes
  *           [k·chunk, (k+1)·chunk); the client owns the slot numbers.
  *   stat    {path}                             → {type, size, mode, mtimeMs}
- *   list    {path}                             → {entries: Entry[]} (the tree, never following links)
+ *   list    {path, follow?}                    → {entries: Entry[], path} (the tree, never following
+ *           links inside it; with `follow`, a link at `path` itself is followed to where it
+ *           leads inside the served tree, and `path` is where that is)
  *   check   {files: [{path, size, mtimeMs}]}   → {same: boolean[]}   (resume's quick check)
  *   mkdirs  {dirs: [{path, mode, mtimeMs}], times} → {results}
  *   symlinks {links: [{path, target}]}         → {results}
