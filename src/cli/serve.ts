@@ -1,5 +1,5 @@
 /**
- * async-rdma serve [dir] [-p port] [--bind addr] [--read-only] [--auth-key-file f] [--provider p]
+ * async-rdma serve [dir] [-p port] [--bind addr] [--writable] [--keep-setid] [--auth-key-file f] [--provider p]
  *
  * Serves one directory tree to `async-rdma cp`. Every path a client names is
  * confined to the tree (copy/paths.ts); each connection gets its own ring of
@@ -11,7 +11,7 @@ import { lstat, realpath } from "node:fs/promises";
 import { dirname, relative } from "node:path";
 import { RpcServer, type RpcHandler } from "../rpc/index.js";
 import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
-import { builderFor, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
+import { builderFor, DEFAULT_BIND, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
 import { checkLinkTarget, checkRel, CopyError, inside, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
 import { allocRing, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
@@ -20,17 +20,23 @@ import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str
 
 export const USAGE = `usage: async-rdma serve [dir] [options]
 Serves the directory tree \`dir\` (default: the current directory) to \`async-rdma cp\`.
-Nothing outside it is readable or writable.
+Nothing outside it is readable or writable. By default the tree is served
+read-only, on this machine only (127.0.0.1): --bind and --writable say otherwise.
 
   -p, --port <n>          port to listen on (default ${DEFAULT_PORT}; 0 picks a free one)
-      --bind <addr>       address to listen on (default 0.0.0.0)
-      --read-only         refuse uploads and every change to the tree
+      --bind <addr>       address to listen on (default ${DEFAULT_BIND}; 0.0.0.0: every interface)
+      --writable          accept uploads, new directories and links
+      --read-only         refuse uploads and every change to the tree (the default)
       --keep-setid        keep the setuid/setgid bits of uploaded files and directories
                           (by default they are dropped)
       --auth-key-file <f> accept only clients that have this key (16 bytes or more)
       --provider <p>      tcp, verbs or auto (default auto)
   -h, --help              this help
 `;
+
+function loopback(addr: string): boolean {
+  return addr === "localhost" || addr === "::1" || /^127\./.test(addr) || /^::ffff:127\./i.test(addr);
+}
 
 /** Limits a client may ask for. */
 const MAX_CHUNK = 16 * 1024 * 1024;
@@ -399,8 +405,8 @@ function handlers(s: Session): Record<string, RpcHandler> {
 export async function serve(args: string[]): Promise<void> {
   let dir: string | undefined;
   let port = DEFAULT_PORT;
-  let bind = "0.0.0.0";
-  let readOnly = false;
+  let bind = DEFAULT_BIND;
+  let writable: boolean | undefined;
   let keepSetid = false;
   let keyFile: string | undefined;
   let provider: string | undefined;
@@ -411,7 +417,10 @@ export async function serve(args: string[]): Promise<void> {
       return;
     } else if (a === "-p" || a === "--port") port = parseIntArg(args[++i], a, 0, 65535);
     else if (a === "--bind") bind = args[++i] ?? "";
-    else if (a === "--read-only") readOnly = true;
+    else if (a === "--read-only" || a === "--writable") {
+      if (writable !== undefined && writable !== (a === "--writable")) throw new CopyError("USAGE", "--read-only and --writable contradict each other");
+      writable = a === "--writable";
+    }
     else if (a === "--keep-setid") keepSetid = true;
     else if (a === "--auth-key-file") keyFile = args[++i];
     else if (a === "--provider") provider = args[++i];
@@ -426,8 +435,12 @@ export async function serve(args: string[]): Promise<void> {
   } catch (e) {
     throw e instanceof CopyError ? e : new CopyError((e as { code?: string }).code ?? "ERROR", `${dir ?? "."}: ${(e as Error).message}`);
   }
+  const readOnly = writable !== true;
   const listener = await builderFor(provider, keyFile).bind(`${bind}:${port}`);
-  console.log(`async-rdma serve: serving ${root} on ${bind}:${listener.port}${readOnly ? " (read-only)" : ""}`);
+  // what is exposed, said once at start
+  console.log(`async-rdma serve: serving ${root} on ${bind}:${listener.port}`);
+  console.log(`  ${readOnly ? "read-only (--writable accepts uploads)" : "writable: clients may upload files and create directories and links"}; authentication ${keyFile !== undefined ? "on" : "off (--auth-key-file)"}; ${loopback(bind) ? "this machine only" : "reachable from the network"}`);
+  if (!readOnly && keyFile === undefined && !loopback(bind)) console.error(`async-rdma serve: warning: anyone who can reach ${bind}:${listener.port} can write into ${root} (no --auth-key-file)`);
   const stop = (): void => void listener.close().finally(() => process.exit(0));
   process.once("SIGINT", stop);
   process.once("SIGTERM", stop);

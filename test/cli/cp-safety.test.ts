@@ -10,7 +10,7 @@ import { execFileSync } from "node:child_process";
 import { appendFileSync, chmodSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readFileSync, readdirSync, readlinkSync, rmSync, statSync, symlinkSync, utimesSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { cp, cpStopped, DEADLINE, PROVIDER, run, serve, type Server } from "../support/cp.js";
+import { cp, cpStopped, DEADLINE, HOST, PROVIDER, run, serve, type Server } from "../support/cp.js";
 
 const CHUNK = 64 * 1024;
 const isRoot = process.getuid?.() === 0;
@@ -198,6 +198,40 @@ describe(`async-rdma cp / serve: safety [${PROVIDER}]`, { timeout: 10 * DEADLINE
       await s.exited();
     } finally {
       execFileSync("umount", ["-l", root]);
+    }
+  });
+
+  it("issue 19 point 18: serve without options serves read-only, on this machine only, and says what it exposes", async () => {
+    const base = mk("p18");
+    const root = join(base, "served");
+    mkdirSync(root);
+    writeFileSync(join(root, "f"), "f\n");
+    writeFileSync(join(base, "up"), "up\n");
+    const p = run(["serve", root, "-p", "0"], { side: 0 });
+    try {
+      const m = await p.waitFor(/ on (\S+):(\d+)\n(.*)\n/);
+      assert.equal(m[1], "127.0.0.1", "bound to the loopback address");
+      assert.match(m[3]!, /read-only/);
+      assert.match(m[3]!, /authentication off/);
+      assert.match(m[3]!, /this machine only/);
+      if (HOST === "127.0.0.1") {
+        const at = `127.0.0.1:${m[2]}:`;
+        const up = await cp([join(base, "up"), `${at}g`]);
+        assert.notEqual(up.code, 0);
+        assert.equal(up.errors[0]?.code, "EROFS", JSON.stringify(up.errors));
+        assert.equal(existsSync(join(root, "g")), false);
+        const down = await cp([`${at}f`, join(base, "got")]);
+        assert.equal(down.code, 0, down.err + down.out);
+      }
+    } finally {
+      p.kill();
+    }
+    const w = run(["serve", root, "-p", "0", "--writable"], { side: 0 });
+    try {
+      const m = await w.waitFor(/ on (\S+):(\d+)\n(.*)\n/);
+      assert.match(m[3]!, /^  writable/);
+    } finally {
+      w.kill();
     }
   });
 });

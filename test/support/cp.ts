@@ -80,7 +80,8 @@ export interface Server extends Proc {
 }
 
 export async function serve(dir: string, args: string[] = [], spawnOpts: SpawnOptions = {}): Promise<Server> {
-  const p = run(["serve", dir, "-p", "0", "--bind", HOST, ...args], { side: 0, spawn: spawnOpts });
+  // writable unless the test says --read-only (serve's default is read-only)
+  const p = run(["serve", dir, "-p", "0", "--bind", HOST, ...(args.includes("--read-only") ? [] : ["--writable"]), ...args], { side: 0, spawn: spawnOpts });
   const m = await p.waitFor(/ on .*:(\d+)/);
   const port = Number(m[1]);
   return { ...p, port, at: (path = "") => `${HOST}:${port}:${path}` };

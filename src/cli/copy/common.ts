@@ -8,6 +8,13 @@ import { CopyError } from "./paths.js";
 
 export const DEFAULT_PORT = 7471;
 
+/**
+ * serve listens on this machine only unless --bind says otherwise: a tree
+ * is not handed to a network by accident (and its write access only with
+ * --writable).
+ */
+export const DEFAULT_BIND = "127.0.0.1";
+
 export function builderFor(provider: string | undefined, keyFile: string | undefined): RdmaBuilder {
   const b = new RdmaBuilder();
   if (provider !== undefined) {
