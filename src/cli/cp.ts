@@ -17,7 +17,7 @@ import { lstat, readdir, realpath, stat } from "node:fs/promises";
 import { realpathSync } from "node:fs";
 import { basename, dirname, join, posix } from "node:path";
 import { RpcClient, RpcError } from "../rpc/index.js";
-import { RdmaError, type LocalMr, type Rdma, type RemoteMr } from "../index.js";
+import { RdmaError, type LocalMr, type Rdma, type RdmaBuilder, type RemoteMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./copy/common.js";
 import { checkRel, CopyError, resolveInsideSync, withPath } from "./copy/paths.js";
 import { allocRing, chunkCount, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
@@ -29,6 +29,13 @@ import { Progress, type OutputMode } from "./copy/progress.js";
 /** Measured defaults (docs/performance.md, "cp"). */
 export const DEFAULT_CHUNK = 1024 * 1024;
 export const DEFAULT_DEPTH = 8;
+/**
+ * Every call to the server has a deadline: a server that is alive (its
+ * transport answers) but never replies must not hang cp. The longest
+ * legitimate call is a large file's final flush or a listing of a very
+ * large tree, well under this.
+ */
+export const DEFAULT_TIMEOUT_S = 120;
 /** Files up to this size travel inline in batches. */
 const SMALL = 256 * 1024;
 const BATCH_FILES = 1024;
@@ -53,8 +60,11 @@ directory). Either every src is remote (download) or dest is (upload).
                           (by default they are dropped)
       --chunk <size>      bytes per chunk (default 1m; 4k to 16m)
       --depth <n>         chunks in flight (default ${DEFAULT_DEPTH}; 1 to 64)
+      --timeout <s>       seconds the server may take to answer a call
+                          (default ${DEFAULT_TIMEOUT_S}; 0: no limit)
       --provider <p>      tcp, verbs or auto (default auto)
-      --auth-key-file <f> authenticate with the key in this file
+      --auth-key-file <f> authenticate with the key in this file (not
+                          readable by others: chmod 600)
       --json              progress and result as JSON lines on stdout
   -q, --quiet             no progress, no summary
   -h, --help              this help
@@ -104,6 +114,8 @@ interface Options {
   mode: OutputMode;
   /** Downloads keep the setuid/setgid bits the server sends (--keep-setid). */
   keepSetid: boolean;
+  /** Deadline of every call to the server, ms (0: none). */
+  timeoutMs: number;
 }
 
 /** Slot numbers of the ring, from a free list. */
@@ -132,6 +144,11 @@ function msgOf(e: unknown): string {
   const m = e instanceof Error ? e.message : String(e);
   // RpcError prefixes the method name: the user does not need it
   return e instanceof RpcError ? m.replace(/^[a-zA-Z]+: /, "") : m;
+}
+
+/** What a TIMEOUT means to the user. */
+function silentNote(e: unknown, opts: Options): string {
+  return codeOf(e) === "TIMEOUT" ? ` (the server did not answer within --timeout ${opts.timeoutMs / 1000} s)` : "";
 }
 
 /** The connection died: nothing more can be copied on it. */
@@ -171,11 +188,11 @@ class Session {
   }
 
   /** `directDir`: downloads write under this local directory (the ring is aligned for it). */
-  static async open(r: Remote, opts: Options, p: Progress, directDir: string | null): Promise<Session> {
-    const b = builderFor(opts.provider, opts.keyFile).setPeerTimeout(10_000);
+  static async open(r: Remote, b: RdmaBuilder, opts: Options, p: Progress, directDir: string | null): Promise<Session> {
+    b.setPeerTimeout(10_000);
     const rdma = await b.connect({ host: r.host, port: r.port });
     try {
-      const rpc = new RpcClient(rdma);
+      const rpc = new RpcClient(rdma, opts.timeoutMs > 0 ? { timeoutMs: opts.timeoutMs } : {});
       // the server may grant fewer slots, never another chunk size: this ring is big enough
       const { ring, direct } = allocRing(rdma, opts.chunk * opts.depth, opts.chunk, directDir);
       if (PULL) rdma.share("cp-client-ring", ring, { access: "read" });
@@ -183,7 +200,7 @@ class Session {
       const chunk = Number(h.chunk);
       const depth = Number(h.depth);
       if (chunk !== opts.chunk || !(depth >= 1 && depth <= opts.depth)) throw new CopyError("PROTOCOL", `the server answered chunk ${chunk}, depth ${depth}`);
-      const rmr = await rdma.openSharedMr(String(h.ring));
+      const rmr = await rdma.openSharedMr(String(h.ring), opts.timeoutMs > 0 ? { timeoutMs: opts.timeoutMs } : {});
       return new Session(rdma, rpc, ring, rmr, chunk, depth, h.readOnly === true, opts, p, direct);
     } catch (e) {
       await rdma.close().catch(() => {});
@@ -660,7 +677,7 @@ async function directoryOf(dest: string): Promise<string> {
 }
 
 export async function cp(args: string[]): Promise<number> {
-  const opts: Options = { recursive: false, resume: false, verify: true, chunk: DEFAULT_CHUNK, depth: DEFAULT_DEPTH, provider: undefined, keyFile: undefined, mode: "human", keepSetid: false };
+  const opts: Options = { recursive: false, resume: false, verify: true, chunk: DEFAULT_CHUNK, depth: DEFAULT_DEPTH, provider: undefined, keyFile: undefined, mode: "human", keepSetid: false, timeoutMs: DEFAULT_TIMEOUT_S * 1000 };
   const paths: string[] = [];
   for (let i = 0; i < args.length; i++) {
     const a = args[i]!;
@@ -676,6 +693,7 @@ export async function cp(args: string[]): Promise<number> {
       if (opts.chunk < 4096 || opts.chunk > 16 * 1024 * 1024) throw new CopyError("USAGE", "--chunk must be between 4k and 16m");
     } else if (a === "--depth") opts.depth = parseIntArg(args[++i], "--depth", 1, 64);
     else if (a === "--provider") opts.provider = args[++i];
+    else if (a === "--timeout") opts.timeoutMs = parseIntArg(args[++i], "--timeout", 0, 86_400) * 1000;
     else if (a === "--auth-key-file") opts.keyFile = args[++i];
     else if (a === "--json") opts.mode = "json";
     else if (a === "-q" || a === "--quiet") opts.mode = opts.mode === "json" ? "json" : "quiet";
@@ -697,12 +715,14 @@ export async function cp(args: string[]): Promise<number> {
     up = false;
     if (sr.some((x) => x!.host !== remote.host || x!.port !== remote.port)) throw new CopyError("USAGE", "every remote source must be on the same server");
   } else throw new CopyError("USAGE", "either the destination is remote (upload) or every source is (download), not both and not neither");
+  // a usage error (a bad --provider, a key file others can read) before anything else
+  const builder = builderFor(opts.provider, opts.keyFile);
   const p = new Progress(opts.mode);
   let s: Session;
   try {
-    s = await Session.open(remote, opts, p, up ? null : await directoryOf(dest));
+    s = await Session.open(remote, builder, opts, p, up ? null : await directoryOf(dest));
   } catch (e) {
-    p.fail(`${remote.host}:${remote.port}`, codeOf(e), msgOf(e));
+    p.fail(`${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + silentNote(e, opts));
     p.summary();
     return 1;
   }
@@ -712,7 +732,7 @@ export async function cp(args: string[]): Promise<number> {
   } catch (e0) {
     const e = lost(s.rdma, e0);
     const resumable = e instanceof RdmaError ? "; rerun with --resume to continue" : "";
-    p.fail(p.file || `${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + resumable);
+    p.fail(p.file || `${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + silentNote(e, opts) + resumable);
   } finally {
     await s.close();
   }

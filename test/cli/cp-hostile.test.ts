@@ -193,4 +193,23 @@ describe(`async-rdma cp / serve against hostile peers [${PROVIDER}]`, { timeout:
       });
     }
   });
+
+  it("issue 19 point 13: every cp call has a deadline: a server that is alive but never answers fails the copy with TIMEOUT", async () => {
+    const base = mk("p13-silent");
+    writeFileSync(join(base, "f"), "f\n");
+    const never = (): Promise<never> => new Promise<never>(() => {});
+    // one never answers hello, the other answers hello and then nothing
+    const mute = await fake({ hello: never });
+    const late = await fake({ stat: never, list: never });
+    for (const [name, args] of [
+      ["hello", ["--timeout", "2", join(base, "f"), mute.at("f")]],
+      ["stat", ["--timeout", "2", join(base, "f"), late.at("f")]],
+      ["list", ["--timeout", "2", late.at("f"), join(base, "got")]],
+    ] as const) {
+      const r = await cp([...args]);
+      assert.notEqual(r.code, 0, name);
+      assert.equal(r.errors[0]?.code, "TIMEOUT", `${name}: ${JSON.stringify(r.errors)}`);
+      assert.match(String(r.errors[0]?.message), /--timeout/);
+    }
+  });
 });

@@ -137,6 +137,8 @@ describe(`async-rdma cp / serve: safety [${PROVIDER}]`, { timeout: 10 * DEADLINE
     mkdirSync(root);
     writeFileSync(join(base, "good"), randomBytes(24).toString("hex") + "\n");
     writeFileSync(join(base, "bad"), randomBytes(24).toString("hex") + "\n");
+    chmodSync(join(base, "good"), 0o600);
+    chmodSync(join(base, "bad"), 0o600);
     writeFileSync(join(base, "f"), "f\n");
     const s = await start(root, ["--auth-key-file", join(base, "good")]);
     const bad = await cp(["--auth-key-file", join(base, "bad"), join(base, "f"), s.at()]);
@@ -233,5 +235,27 @@ describe(`async-rdma cp / serve: safety [${PROVIDER}]`, { timeout: 10 * DEADLINE
     } finally {
       w.kill();
     }
+  });
+
+  it("issue 19 point 13: a key file others can read is refused by cp and serve, as ssh does", async () => {
+    const base = mk("p13-key");
+    const root = join(base, "served");
+    mkdirSync(root);
+    const key = join(base, "key");
+    writeFileSync(key, randomBytes(24).toString("hex") + "\n");
+    writeFileSync(join(base, "f"), "f\n");
+    for (const mode of [0o644, 0o640, 0o604]) {
+      chmodSync(key, mode);
+      const sv = run(["serve", root, "-p", "0", "--auth-key-file", key], { side: 0 });
+      assert.equal(await sv.exited(), 2, sv.out() + sv.err());
+      assert.match(sv.err(), /accessible by others.*chmod 600/);
+      const c = run(["cp", "--auth-key-file", key, join(base, "f"), "127.0.0.1:1:x"]);
+      assert.equal(await c.exited(), 2, c.out() + c.err());
+      assert.match(c.err(), /accessible by others.*chmod 600/);
+    }
+    chmodSync(key, 0o600);
+    const s = await start(root, ["--auth-key-file", key]);
+    const good = await cp(["--auth-key-file", key, join(base, "f"), s.at()]);
+    assert.equal(good.code, 0, good.err + good.out);
   });
 });
