@@ -46,6 +46,16 @@ const MAX_RING = 256 * 1024 * 1024;
 /** Ring bytes of all connections together: past it a hello is refused (EBUSY), the client may retry later. */
 const MAX_TOTAL_RING = 1024 * 1024 * 1024;
 let ringBytes = 0;
+/**
+ * A hello that does not fit ends connections that hold a ring and have had
+ * no call in flight for this long, longest idle first, so connections that
+ * sit idle cannot lock others out (a copy in progress always has a call in
+ * flight). It waits at most this long for such a connection to become idle
+ * enough; past that, EBUSY.
+ */
+const IDLE_EVICT_MS = 2_000;
+/** Every session that holds or may hold a ring. */
+const sessions = new Set<Session>();
 const MAX_OPEN = 256;
 const MAX_BATCH_FILES = 10_000;
 
@@ -68,6 +78,11 @@ class Session {
   verify = true;
   /** The ring is aligned for O_DIRECT writes (FileSink). */
   direct = false;
+  /** Calls in flight, and when the last one ended (performance.now()). */
+  calls = 0;
+  lastCall = performance.now();
+  ended = false;
+  greeted = false;
   /** Ring bytes this session counts in ringBytes. */
   counted = 0;
   private readonly busy = new Set<number>();
@@ -104,7 +119,17 @@ class Session {
     }
   }
 
+  /** Ended to make room for another connection's ring (it was idle). */
+  async evict(): Promise<void> {
+    console.error(`async-rdma serve: ended an idle connection from ${this.rdma.peer.address} to make room for another`);
+    void this.rdma.close().catch(() => {});
+    await this.end();
+  }
+
   async end(): Promise<void> {
+    if (this.ended) return;
+    this.ended = true;
+    sessions.delete(this);
     for (const { sink } of this.sinks.values()) await sink.abort();
     for (const { src } of this.sources.values()) await src.close();
     this.sinks.clear();
@@ -120,6 +145,30 @@ class Session {
   }
 }
 
+/**
+ * Makes room for `need` more ring bytes by ending idle connections (see
+ * IDLE_EVICT_MS); returns when there is room, or when there cannot be.
+ */
+async function makeRoom(need: number, me: Session): Promise<void> {
+  const deadline = performance.now() + IDLE_EVICT_MS;
+  for (;;) {
+    if (ringBytes + need <= MAX_TOTAL_RING) return;
+    const idle = [...sessions].filter((x) => x !== me && x.counted > 0 && x.calls === 0).sort((a, b) => a.lastCall - b.lastCall);
+    // when ending every idle connection would not make room, waiting is pointless
+    if (ringBytes - idle.reduce((a, x) => a + x.counted, 0) + need > MAX_TOTAL_RING) return;
+    const now = performance.now();
+    let later = Infinity;
+    for (const x of idle) {
+      if (ringBytes + need <= MAX_TOTAL_RING) return;
+      if (now - x.lastCall >= IDLE_EVICT_MS) await x.evict();
+      else later = Math.min(later, x.lastCall + IDLE_EVICT_MS);
+    }
+    if (ringBytes + need <= MAX_TOTAL_RING || now >= deadline) return;
+    // wait for the next connection to become idle long enough (bounded by the deadline)
+    await new Promise((r) => setTimeout(r, Math.max(1, Math.min(later, deadline) - now)));
+  }
+}
+
 async function where(s: Session, path: unknown): Promise<{ rel: string; abs: string }> {
   const rel = checkRel(path);
   return { rel, abs: await resolveInside(s.opts.root, rel) };
@@ -131,10 +180,14 @@ function handlers(s: Session): Record<string, RpcHandler> {
   const h =
     (fn: (p: Uint8Array) => Promise<Uint8Array | void>): RpcHandler =>
     async (p) => {
+      s.calls++;
       try {
         return await fn(p);
       } catch (e) {
         throw withPath(e, "");
+      } finally {
+        s.calls--;
+        s.lastCall = performance.now();
       }
     };
   const json =
@@ -155,10 +208,13 @@ function handlers(s: Session): Record<string, RpcHandler> {
     });
   return {
     hello: json(async (o) => {
-      if (s.ring) throw new CopyError("PROTOCOL", "hello twice");
+      if (s.greeted || s.ended) throw new CopyError("PROTOCOL", "hello twice, or on an ended connection");
+      s.greeted = true;
       const chunk = int(o, "chunk", MIN_CHUNK, MAX_CHUNK);
       const depth = Math.min(int(o, "depth", 1, 1024), MAX_DEPTH, Math.floor(MAX_RING / chunk));
+      if (ringBytes + chunk * depth > MAX_TOTAL_RING) await makeRoom(chunk * depth, s);
       if (ringBytes + chunk * depth > MAX_TOTAL_RING) throw new CopyError("EBUSY", `the server is busy: its connections hold ${ringBytes >> 20} MiB of buffers (at most ${MAX_TOTAL_RING >> 20} MiB); retry later or ask for a smaller --chunk/--depth`);
+      if (s.ended) throw new CopyError("PROTOCOL", "the connection ended");
       ringBytes += chunk * depth;
       s.counted = chunk * depth;
       s.chunk = chunk;
@@ -446,6 +502,7 @@ export async function serve(args: string[]): Promise<void> {
   process.once("SIGTERM", stop);
   for await (const rdma of listener) {
     const session = new Session(rdma, { root, readOnly, keepSetid });
+    sessions.add(session);
     void new RpcServer(handlers(session), { maxInFlight: 256 })
       .serve(rdma)
       .catch((e: unknown) => console.error(`async-rdma serve: a connection from ${rdma.peer.address} failed: ${(e as Error).message}`))

@@ -10,6 +10,7 @@ import { execFileSync } from "node:child_process";
 import { chmodSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readFileSync, rmSync, statSync, symlinkSync, utimesSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { eventually } from "../support/api.js";
 import { cp, DEADLINE, fakeServer, PROVIDER, rawClient, serve, type FakeServer, type RawClient, type Server } from "../support/cp.js";
 
 const isRoot = process.getuid?.() === 0;
@@ -211,5 +212,25 @@ describe(`async-rdma cp / serve against hostile peers [${PROVIDER}]`, { timeout:
       assert.equal(r.errors[0]?.code, "TIMEOUT", `${name}: ${JSON.stringify(r.errors)}`);
       assert.match(String(r.errors[0]?.message), /--timeout/);
     }
+  });
+
+  it("issue 19 point 9: connections that sit idle holding the whole ring budget do not lock a copy out", { skip: PROVIDER === "tcp" ? false : "registers 1 GiB: checked on tcp (the budget logic is the same on every provider)" }, async () => {
+    const base = mk("p9");
+    const root = join(base, "served");
+    mkdirSync(root);
+    writeFileSync(join(root, "f"), "f\n");
+    const s = await start(root, ["--read-only"]);
+    const idle: RawClient[] = [];
+    // 4 × 16 MiB × 16: the server's whole ring budget (1 GiB)
+    for (let k = 0; k < 4; k++) {
+      const c = await connect(s);
+      await c.call("hello", { version: 1, chunk: 16 * 1024 * 1024, depth: 16 });
+      idle.push(c);
+    }
+    const r = await cp([s.at("f"), join(base, "got")]);
+    assert.equal(r.code, 0, r.err + r.out);
+    assert.equal(readFileSync(join(base, "got"), "utf8"), "f\n");
+    await eventually(() => idle.some((c) => c.rdma.closed), DEADLINE, "an idle connection was ended to make room");
+    assert.match(s.err(), /ended an idle connection/);
   });
 });
