@@ -14,7 +14,7 @@ import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
 import { builderFor, DEFAULT_BIND, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
 import { checkLinkTarget, checkRel, CopyError, inside, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
-import { allocRing, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
+import { allocRing, chunkLen, FileSink, FileSource, sameSecond, StateBudget } from "./copy/files.js";
 import { makeDir, makeLink, mapLimit, peerMode, setTimes, walk } from "./copy/tree.js";
 import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str, toJson, VERSION, type Result, type SmallResult } from "./copy/protocol.js";
 
@@ -57,6 +57,14 @@ const IDLE_EVICT_MS = 2_000;
 /** Every session that holds or may hold a ring. */
 const sessions = new Set<Session>();
 const MAX_OPEN = 256;
+/**
+ * Per-chunk state of uploads in progress (a CRC and a bit per chunk: 4.1
+ * bytes per chunk; with 1 MiB chunks 64 MiB covers 16 TiB of files, with
+ * the smallest chunks 64 GiB), per connection and for all together.
+ */
+const MAX_STATE = 64 * 1024 * 1024;
+const MAX_TOTAL_STATE = 256 * 1024 * 1024;
+const stateBudget = new StateBudget(MAX_TOTAL_STATE);
 const MAX_BATCH_FILES = 10_000;
 
 interface Options {
@@ -86,6 +94,8 @@ class Session {
   /** Ring bytes this session counts in ringBytes. */
   counted = 0;
   private readonly busy = new Set<number>();
+  /** Per-chunk state of this connection's uploads. */
+  readonly state = new StateBudget(MAX_STATE, stateBudget);
   readonly sinks = new Map<number, { sink: FileSink; rel: string }>();
   readonly sources = new Map<number, { src: FileSource; rel: string }>();
   private nextId = 1;
@@ -297,10 +307,11 @@ function handlers(s: Session): Record<string, RpcHandler> {
       s.writable();
       const { rel, abs } = await where(s, o.path);
       if (rel === "") throw new CopyError("EISDIR", "the destination is the served directory, a file is expected");
+      if (!s.bytes || s.ended) throw new CopyError("PROTOCOL", "hello first");
       const meta = { size: int(o, "size"), mode: peerMode(int(o, "mode", 0, 0o7777), s.opts.keepSetid), mtimeMs: num(o, "mtimeMs", -1e15, 1e15) };
       const id = s.id();
       try {
-        const sink = await FileSink.open(abs, meta, s.chunk, o.resume === true, s.verify, s.direct);
+        const sink = await FileSink.open(abs, meta, s.chunk, o.resume === true, s.verify, s.direct, s.state);
         s.sinks.set(id, { sink, rel });
         return { id, existing: sink.existing };
       } catch (e) {

@@ -7,13 +7,20 @@
 import { after, describe, it } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
-import { chmodSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readFileSync, rmSync, statSync, symlinkSync, utimesSync, writeFileSync } from "node:fs";
+import { chmodSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readFileSync, rmSync, statfsSync, statSync, symlinkSync, utimesSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { eventually } from "../support/api.js";
+import { chunkStateBytes } from "../../src/cli/copy/files.js";
 import { cp, DEADLINE, fakeServer, PROVIDER, rawClient, serve, type FakeServer, type RawClient, type Server } from "../support/cp.js";
 
 const isRoot = process.getuid?.() === 0;
+
+/** A process's resident memory, bytes (Linux). */
+function rss(pid: number): number {
+  const kb = /VmRSS:\s+(\d+) kB/.exec(readFileSync(`/proc/${pid}/status`, "utf8"))?.[1];
+  return Number(kb) * 1024;
+}
 
 function tmp(name: string): string {
   return mkdtempSync(join(tmpdir(), `ardma-cp-${name}-`));
@@ -232,5 +239,40 @@ describe(`async-rdma cp / serve against hostile peers [${PROVIDER}]`, { timeout:
     assert.equal(readFileSync(join(base, "got"), "utf8"), "f\n");
     await eventually(() => idle.some((c) => c.rdma.closed), DEADLINE, "an idle connection was ended to make room");
     assert.match(s.err(), /ended an idle connection/);
+  });
+
+  it("issue 19 point 8: an upload's claimed size costs compact per-chunk state, charged to the connection's budget and bounded by the free space", async () => {
+    const base = mk("p8");
+    const root = join(base, "served");
+    mkdirSync(root);
+    const s = await start(root);
+    const c = await connect(s);
+    await c.call("hello", { version: 1, chunk: 4096, depth: 1 });
+    const fs = statfsSync(root);
+    const free = fs.bavail * fs.bsize;
+    const open = (path: string, size: number): Promise<Record<string, unknown>> => c.call("open", { path, size, mode: 0o644, mtimeMs: 0 });
+    await assert.rejects(open("huge", free + 2 ** 30), (e: Error & { code?: string }) => (assert.equal(e.code, "ENOSPC", e.message), true));
+    // claims that fit the disk, each a few MiB to 20 MiB of state: their sum passes a connection's 64 MiB
+    const claim = Math.floor(Math.min(free / 2, 20 * 2 ** 30) / 4096) * 4096;
+    const perOpen = chunkStateBytes(claim, 4096);
+    const tries = Math.ceil((64 * 2 ** 20) / perOpen) + 2;
+    const rss0 = rss(s.pid);
+    const ids: number[] = [];
+    let refused: (Error & { code?: string }) | null = null;
+    for (let k = 0; k < tries && refused === null; k++) {
+      try {
+        ids.push(Number((await open(`big${k}`, claim)).id));
+      } catch (e) {
+        refused = e as Error & { code?: string };
+      }
+    }
+    assert.equal(refused?.code, "EFBIG", `${ids.length} claims of ${claim} bytes were all accepted`);
+    assert.match(refused!.message, /larger --chunk/);
+    const grew = rss(s.pid) - rss0;
+    assert.ok(grew < 128 * 2 ** 20, `the server grew by ${(grew / 2 ** 20).toFixed(0)} MiB for ${ids.length} claims`);
+    // given back when the files end
+    for (const id of ids) await c.call("abort", { id });
+    const again = await open("again", claim);
+    await c.call("abort", { id: again.id });
   });
 });

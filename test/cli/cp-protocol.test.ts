@@ -15,20 +15,46 @@ import { randomBytes } from "node:crypto";
 import { checkLinkTarget, checkRel, resolveInsideSync } from "../../src/cli/copy/paths.js";
 import { checkListing, decodeGet, decodePut, encodeGet, encodePut, smallFiles } from "../../src/cli/copy/protocol.js";
 import { setTimes } from "../../src/cli/copy/tree.js";
-import { directShift, fileDigest, FileSink, tempName } from "../../src/cli/copy/files.js";
+import { chunkStateBytes, directShift, fileDigest, FileSink, StateBudget, tempName } from "../../src/cli/copy/files.js";
 import { parseRemote } from "../../src/cli/cp.js";
 
 describe("cp protocol and receiver rules", () => {
-  it("a peer's claimed file size larger than the destination's file system is refused (ENOSPC) before anything is held or created", async () => {
+  it("a peer's claimed file size larger than the space free at the destination is refused (ENOSPC) before anything is held or created (issue 19 point 8)", async () => {
     const dir = mkdtempSync(join(tmpdir(), "ardma-cp-claim-"));
     try {
       const abs = join(dir, "huge");
       await assert.rejects(FileSink.open(abs, { size: 2 ** 52, mode: 0o644, mtimeMs: 0 }, 1 << 20, false), (e: Error & { code?: string }) => {
         assert.equal(e.code, "ENOSPC", e.message);
-        assert.match(e.message, /larger than the destination's file system/);
+        assert.match(e.message, /does not fit in the space free at the destination/);
         return true;
       });
       assert.equal(existsSync(tempName(abs)), false, "no temporary file for a refused claim");
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it("issue 19 point 8: per-chunk state is charged to a connection's budget and the process's, and given back when the file ends", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "ardma-cp-budget-"));
+    try {
+      const all = new StateBudget(3000);
+      const a = new StateBudget(2000, all);
+      const b = new StateBudget(2000, all);
+      const meta = { size: 400 * 4096, mode: 0o644, mtimeMs: 0 }; // 400 chunks: 1600 + 50 bytes
+      assert.equal(chunkStateBytes(meta.size, 4096), 1650);
+      const s1 = await FileSink.open(join(dir, "a1"), meta, 4096, false, true, false, a);
+      assert.equal(a.used, 1650);
+      await assert.rejects(FileSink.open(join(dir, "a2"), meta, 4096, false, true, false, a), { code: "EFBIG" });
+      assert.equal(existsSync(tempName(join(dir, "a2"))), false, "nothing created for a refused claim");
+      await assert.rejects(FileSink.open(join(dir, "b1"), meta, 4096, false, true, false, b), { code: "EBUSY" });
+      assert.equal(b.used, 0);
+      assert.equal(all.used, 1650);
+      await s1.abort();
+      assert.equal(all.used, 0);
+      const s2 = await FileSink.open(join(dir, "b1"), meta, 4096, false, true, false, b);
+      assert.equal(all.used, 1650);
+      await s2.abort();
+      assert.equal(all.used, 0);
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }

@@ -185,12 +185,14 @@ describe(`async-rdma cp / serve: safety [${PROVIDER}]`, { timeout: 10 * DEADLINE
       return;
     }
     try {
-      // The disk fills during the copy: a file the file system could hold (192 KiB of 256 KiB)
-      // after something else took most of it (160 KiB).
-      writeFileSync(join(root, "filler"), randomBytes(160 * 1024));
+      // The disk fills during the copy: a file that fits (192 KiB of 256 KiB) when it starts,
+      // then something else takes most of the space (160 KiB) after its first chunk.
       writeFileSync(join(base, "big"), randomBytes(192 * 1024));
       const s = await start(root);
-      const r = await cp(["--chunk", String(CHUNK), join(base, "big"), s.at("big")]);
+      const c = await cpStopped(["--chunk", String(CHUNK), "--depth", "1", join(base, "big"), s.at("big")], CHUNK);
+      writeFileSync(join(root, "filler"), randomBytes(160 * 1024));
+      process.kill(c.proc.pid, "SIGCONT");
+      const r = await c.finish();
       assert.notEqual(r.code, 0);
       assert.equal(r.errors[0]?.code, "ENOSPC", JSON.stringify(r.errors));
       assert.match(String(r.errors[0]?.message), /no space left/);
