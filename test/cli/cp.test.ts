@@ -181,6 +181,13 @@ describe(`async-rdma cp / serve: copies [${PROVIDER}]`, { timeout: 10 * DEADLINE
     assert.notEqual(e.code, 0);
     assert.equal(e.errors[0]?.code, "ESCAPE", JSON.stringify(e.errors));
     assert.equal(existsSync(join(base, "gotesc")), false);
+    // and uploads, as docs/cp.md says: a local link named on the command line is followed
+    symlinkSync(join(base, "got"), join(base, "local-link"));
+    symlinkSync(join(base, "gotd"), join(base, "local-dlink"));
+    const u = await cp(["-r", join(base, "local-link"), join(base, "local-dlink"), s.at("dir")]);
+    assert.equal(u.code, 0, u.err + u.out);
+    assert.ok(lstatSync(join(root, "dir", "local-link")).isFile());
+    assert.equal(readFileSync(join(root, "dir", "local-dlink", "file"), "utf8"), "content\n");
   });
 
   it("issue 19 point 17: a trailing slash names a directory: a file is never created under that name", async () => {
