@@ -9,9 +9,9 @@ import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import { dirname, join } from "node:path";
 import { PROVIDER, deviceNames, SLOW } from "./seam.js";
-import { HOST, at as hostPort, builder } from "./api.js";
+import { HOST } from "./api.js";
 import { RpcClient, RpcServer, type RpcHandler } from "../../src/rpc/index.js";
-import type { LocalMr, Rdma, RdmaListener } from "../../src/index.js";
+import { RdmaBuilder, type LocalMr, type Rdma, type RdmaListener } from "../../src/index.js";
 
 const here = dirname(fileURLToPath(import.meta.url));
 export const MAIN = join(here, "..", "..", "src", "cli", "main.js");
@@ -158,8 +158,20 @@ export interface RawClient {
   close(): Promise<void>;
 }
 
+/**
+ * A builder as the cp and serve commands make one (the provider and device
+ * of the side under test, the default connection manager), for peers in the
+ * test's own process that talk to them.
+ */
+function cliBuilder(side: 0 | 1): RdmaBuilder {
+  const b = new RdmaBuilder().setProvider(PROVIDER);
+  const dev = deviceNames()[side];
+  if (PROVIDER === "verbs" && dev) b.setDevice(dev);
+  return b;
+}
+
 export async function rawClient(port: number): Promise<RawClient> {
-  const rdma = await builder("client").connect(hostPort(port));
+  const rdma = await cliBuilder(1).connect({ host: HOST, port });
   const rpc = new RpcClient(rdma);
   return {
     rdma,
@@ -184,7 +196,7 @@ export interface FakeServer {
  * chunk × depth shared as "cp-ring") unless the test gives its own.
  */
 export async function fakeServer(handlers: Record<string, FakeHandler>): Promise<FakeServer> {
-  const listener: RdmaListener = await builder("server").bind(hostPort(0));
+  const listener: RdmaListener = await cliBuilder(0).bind(`${HOST}:0`);
   const conns = new Set<Rdma>();
   void (async () => {
     for await (const rdma of listener) {
