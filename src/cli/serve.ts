@@ -170,12 +170,13 @@ async function makeRoom(need: number, me: Session): Promise<void> {
     let later = Infinity;
     for (const x of idle) {
       if (ringBytes + need <= MAX_TOTAL_RING) return;
-      if (now - x.lastCall >= IDLE_EVICT_MS) await x.evict();
-      else later = Math.min(later, x.lastCall + IDLE_EVICT_MS);
+      if (now - x.lastCall >= IDLE_EVICT_MS) {
+        if (x.calls === 0) await x.evict(); // (still idle: the awaits above let calls in)
+      } else later = Math.min(later, x.lastCall + IDLE_EVICT_MS);
     }
     if (ringBytes + need <= MAX_TOTAL_RING || now >= deadline) return;
     // wait for the next connection to become idle long enough (bounded by the deadline)
-    await new Promise((r) => setTimeout(r, Math.max(1, Math.min(later, deadline) - now)));
+    await new Promise((r) => setTimeout(r, Math.max(1, Math.min(later, deadline) - now + 1)));
   }
 }
 
