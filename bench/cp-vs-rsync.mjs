@@ -193,7 +193,7 @@ console.error(`# work dir ${work}; creating a ${opt.size} file and ${opt.files} 
 }
 
 // servers
-const ours = spawn(...inServer(process.execPath, [MAIN, "serve", dst.ours, "-p", "0", "--bind", HOST, "--provider", opt.provider]), { stdio: ["ignore", "pipe", "inherit"] });
+const ours = spawn(...inServer(process.execPath, [MAIN, "serve", dst.ours, "--writable", "-p", "0", "--bind", HOST, "--provider", opt.provider]), { stdio: ["ignore", "pipe", "inherit"] });
 kids.push(ours);
 track(ours.pid, "ours");
 const oursPort = Number((await waitLine(ours, / on .*:(\d+)/))[1]);

@@ -13,22 +13,29 @@
  * travel the same way, many per slot and per call (a batch fills one slot).
  * See docs/cp.md.
  */
-import { lstat, realpath, stat } from "node:fs/promises";
+import { lstat, readdir, realpath, stat } from "node:fs/promises";
 import { realpathSync } from "node:fs";
 import { basename, dirname, join, posix } from "node:path";
 import { RpcClient, RpcError } from "../rpc/index.js";
-import { RdmaError, type LocalMr, type Rdma, type RemoteMr } from "../index.js";
+import { RdmaError, type LocalMr, type Rdma, type RdmaBuilder, type RemoteMr } from "../index.js";
 import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./copy/common.js";
 import { checkRel, CopyError, resolveInsideSync, withPath } from "./copy/paths.js";
 import { allocRing, chunkCount, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
-import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
-import { encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
+import { makeDir, makeLink, mapLimit, MAX_ENTRIES, peerMode, setTimes, walk } from "./copy/tree.js";
+import { checkListing, encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
 import { Progress, type OutputMode } from "./copy/progress.js";
 
 /** Measured defaults (docs/performance.md, "cp"). */
 export const DEFAULT_CHUNK = 1024 * 1024;
 export const DEFAULT_DEPTH = 8;
+/**
+ * Every call to the server has a deadline: a server that is alive (its
+ * transport answers) but never replies must not hang cp. The longest
+ * legitimate call is a large file's final flush or a listing of a very
+ * large tree, well under this.
+ */
+export const DEFAULT_TIMEOUT_S = 120;
 /** Files up to this size travel inline in batches. */
 const SMALL = 256 * 1024;
 const BATCH_FILES = 1024;
@@ -49,10 +56,15 @@ directory). Either every src is remote (download) or dest is (upload).
                           (same size and mtime) are skipped, a partial file
                           continues from its verified prefix
       --no-verify         no CRC-32 checks (faster, less CPU)
+      --keep-setid        downloads keep the setuid/setgid bits the server sends
+                          (by default they are dropped)
       --chunk <size>      bytes per chunk (default 1m; 4k to 16m)
       --depth <n>         chunks in flight (default ${DEFAULT_DEPTH}; 1 to 64)
+      --timeout <s>       seconds the server may take to answer a call
+                          (default ${DEFAULT_TIMEOUT_S}; 0: no limit)
       --provider <p>      tcp, verbs or auto (default auto)
-      --auth-key-file <f> authenticate with the key in this file
+      --auth-key-file <f> authenticate with the key in this file (not
+                          readable by others: chmod 600)
       --json              progress and result as JSON lines on stdout
   -q, --quiet             no progress, no summary
   -h, --help              this help
@@ -100,6 +112,10 @@ interface Options {
   provider: string | undefined;
   keyFile: string | undefined;
   mode: OutputMode;
+  /** Downloads keep the setuid/setgid bits the server sends (--keep-setid). */
+  keepSetid: boolean;
+  /** Deadline of every call to the server, ms (0: none). */
+  timeoutMs: number;
 }
 
 /** Slot numbers of the ring, from a free list. */
@@ -128,6 +144,11 @@ function msgOf(e: unknown): string {
   const m = e instanceof Error ? e.message : String(e);
   // RpcError prefixes the method name: the user does not need it
   return e instanceof RpcError ? m.replace(/^[a-zA-Z]+: /, "") : m;
+}
+
+/** What a TIMEOUT means to the user. */
+function silentNote(e: unknown, opts: Options): string {
+  return codeOf(e) === "TIMEOUT" ? ` (the server did not answer within --timeout ${opts.timeoutMs / 1000} s)` : "";
 }
 
 /** The connection died: nothing more can be copied on it. */
@@ -167,11 +188,11 @@ class Session {
   }
 
   /** `directDir`: downloads write under this local directory (the ring is aligned for it). */
-  static async open(r: Remote, opts: Options, p: Progress, directDir: string | null): Promise<Session> {
-    const b = builderFor(opts.provider, opts.keyFile).setPeerTimeout(10_000);
+  static async open(r: Remote, b: RdmaBuilder, opts: Options, p: Progress, directDir: string | null): Promise<Session> {
+    b.setPeerTimeout(10_000);
     const rdma = await b.connect({ host: r.host, port: r.port });
     try {
-      const rpc = new RpcClient(rdma);
+      const rpc = new RpcClient(rdma, opts.timeoutMs > 0 ? { timeoutMs: opts.timeoutMs } : {});
       // the server may grant fewer slots, never another chunk size: this ring is big enough
       const { ring, direct } = allocRing(rdma, opts.chunk * opts.depth, opts.chunk, directDir);
       if (PULL) rdma.share("cp-client-ring", ring, { access: "read" });
@@ -179,7 +200,7 @@ class Session {
       const chunk = Number(h.chunk);
       const depth = Number(h.depth);
       if (chunk !== opts.chunk || !(depth >= 1 && depth <= opts.depth)) throw new CopyError("PROTOCOL", `the server answered chunk ${chunk}, depth ${depth}`);
-      const rmr = await rdma.openSharedMr(String(h.ring));
+      const rmr = await rdma.openSharedMr(String(h.ring), opts.timeoutMs > 0 ? { timeoutMs: opts.timeoutMs } : {});
       return new Session(rdma, rpc, ring, rmr, chunk, depth, h.readOnly === true, opts, p, direct);
     } catch (e) {
       await rdma.close().catch(() => {});
@@ -261,6 +282,25 @@ function localTarget(i: Item, parents: Map<string, string>): string {
 
 // ---------------------------------------------------------------- upload
 
+/** The names and types at the top of a listing (its own entry and temporary files left out). */
+function topLevel(entries: readonly Entry[]): Map<string, string> {
+  return new Map(entries.filter((e) => e.path !== "" && !e.path.includes("/")).map((e) => [e.path, e.type]));
+}
+
+/**
+ * --resume with one directory source into an existing directory `dest`
+ * that holds nothing named after the source: is `dest` the copy an earlier
+ * run made when it did not exist yet (`cp -r tree dest` makes `dest` the
+ * copy of `tree` when `dest` is new, `dest/tree` when it exists)? It is when
+ * everything at its top is also at the source's top, with the same type.
+ * An empty directory is not: the copy goes into it, as without --resume.
+ */
+function earlierCopy(dest: Map<string, string>, src: Map<string, string>): boolean {
+  if (dest.size === 0) return false;
+  for (const [name, type] of dest) if (src.get(name) !== type) return false;
+  return true;
+}
+
 async function planUpload(s: Session, srcs: string[], dest: string): Promise<Item[]> {
   const p = s.p;
   const d = fromJson(await s.rpcCall("stat", toJson({ path: dest })));
@@ -275,7 +315,7 @@ async function planUpload(s: Session, srcs: string[], dest: string): Promise<Ite
       p.fail(src, codeOf(e), msgOf(withPath(e, src)));
       continue;
     }
-    const base = dtype === "dir" ? posix.join(dest, basename(src)) : dest;
+    let base = dtype === "dir" ? posix.join(dest, basename(src)) : dest;
     if (st.isDirectory()) {
       if (!s.opts.recursive) {
         p.fail(src, "EISDIR", "is a directory (use -r)");
@@ -286,8 +326,18 @@ async function planUpload(s: Session, srcs: string[], dest: string): Promise<Ite
         continue;
       }
       const root = await realpath(src);
-      for (const e of await walk(root)) items.push({ from: e.path === "" ? root : join(root, e.path), to: e.path === "" ? base : posix.join(base, e.path), entry: e });
+      const entries = await walk(root);
+      if (s.opts.resume && dtype === "dir" && srcs.length === 1 && String((await s.call("stat", { path: base })).type) === "none") {
+        const theirs = checkListing((await s.call("list", { path: dest })).entries, MAX_ENTRIES);
+        if (earlierCopy(topLevel(theirs), topLevel(entries))) base = dest;
+      }
+      for (const e of entries) items.push({ from: e.path === "" ? root : join(root, e.path), to: e.path === "" ? base : posix.join(base, e.path), entry: e });
     } else if (st.isFile()) {
+      // a trailing slash names a directory, as with cp and scp
+      if (dtype !== "dir" && dest.endsWith("/")) {
+        p.fail(src, dtype === "none" ? "ENOENT" : "ENOTDIR", `${dest}: ${dtype === "none" ? "no such directory" : "not a directory"}`);
+        continue;
+      }
       items.push({ from: src, to: base, entry: { path: "", type: "file", size: st.size, mode: st.mode & 0o7777, mtimeMs: st.mtimeMs } });
     } else p.fail(src, "EINVAL", "not a regular file or directory");
   }
@@ -454,6 +504,17 @@ async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void
 
 // ---------------------------------------------------------------- download
 
+/** topLevel() of a local directory. */
+async function localTopLevel(dir: string): Promise<Map<string, string>> {
+  const out = new Map<string, string>();
+  for (const n of await readdir(dir)) {
+    if (n.startsWith(".") && n.endsWith(".rdma-part")) continue;
+    const st = await lstat(join(dir, n)).catch(() => null);
+    out.set(n, st?.isSymbolicLink() ? "symlink" : st?.isDirectory() ? "dir" : st?.isFile() ? "file" : "other");
+  }
+  return out;
+}
+
 async function planDownload(s: Session, srcs: string[], dest: string): Promise<Item[]> {
   const p = s.p;
   const dst = await lstat(dest).catch(() => null);
@@ -461,17 +522,30 @@ async function planDownload(s: Session, srcs: string[], dest: string): Promise<I
   if (srcs.length > 1 && !isDir) throw new CopyError("ENOTDIR", `${dest}: ${dst ? "is a file, a directory is expected" : "no such directory"} (several sources)`);
   const items: Item[] = [];
   for (const src of srcs) {
-    let entries: Entry[];
+    let answer: Record<string, unknown>;
     try {
-      entries = (await s.call("list", { path: src })).entries as Entry[];
+      // a link named on the command line is followed (as for uploads, and as scp does); the
+      // server answers the path it resolved to, inside the served tree
+      answer = await s.call("list", { path: src, follow: true });
     } catch (e) {
       if (fatal(e)) throw e;
       p.fail(src, codeOf(e), msgOf(e));
       continue;
     }
+    // the whole listing is refused when any of it is malformed (PROTOCOL: the server is broken or hostile)
+    const entries = checkListing(answer.entries, MAX_ENTRIES);
     const top = entries[0];
-    if (!top) continue;
-    const base = isDir ? join(dest, basename(src) || ".") : dest;
+    if (!top) {
+      p.fail(src, "EINVAL", "not a regular file, directory or link (sockets, FIFOs and devices are not copied)");
+      continue;
+    }
+    if (top.type === "symlink") {
+      // a server that does not follow links (older than this cp) lists the link itself
+      p.fail(src, "ELOOP", "is a symlink on the server, which did not follow it (a newer async-rdma serve does)");
+      continue;
+    }
+    const from = typeof answer.path === "string" ? checkRel(answer.path) : src;
+    let base = isDir ? join(dest, basename(src) || ".") : dest;
     if (top.type === "dir") {
       if (!s.opts.recursive) {
         p.fail(src, "EISDIR", "is a directory (use -r)");
@@ -481,11 +555,15 @@ async function planDownload(s: Session, srcs: string[], dest: string): Promise<I
         p.fail(dest, "ENOTDIR", "the destination is a file, a directory is expected");
         continue;
       }
+      if (s.opts.resume && isDir && srcs.length === 1 && basename(src) !== "" && (await lstat(base).catch(() => null)) === null && earlierCopy(await localTopLevel(dest), topLevel(entries))) base = dest;
+    } else if (!isDir && dest.endsWith("/")) {
+      // a trailing slash names a directory, as with cp and scp
+      p.fail(dest, dst ? "ENOTDIR" : "ENOENT", dst ? "not a directory" : "no such directory");
+      continue;
     }
     for (const e of entries) {
-      // a server names only paths under what we asked for
-      const rel = checkRel(e.path);
-      items.push({ from: rel === "" ? src : posix.join(src, rel), to: rel === "" ? base : join(base, rel), entry: e, base, rel });
+      const rel = e.path;
+      items.push({ from: rel === "" ? from : posix.join(from, rel), to: rel === "" ? base : join(base, rel), entry: e, base, rel });
     }
   }
   return items;
@@ -496,6 +574,8 @@ async function download(s: Session, items: Item[]): Promise<void> {
   // targets are resolved when written (the directories of this copy are created first)
   const parents = new Map<string, string>();
   const at_ = (i: Item): string => localTarget(i, parents);
+  // the server chooses modes: setuid/setgid only when the user asked for them
+  const mode = (m: number): number => peerMode(m, s.opts.keepSetid);
   const each = async (list: Item[], fn: (i: Item) => Promise<void>): Promise<Result[]> =>
     mapLimit(list, 1, async (i) => {
       try {
@@ -506,7 +586,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
       }
     });
   await transferTree(s, items, {
-    mkdirs: (dirs, times) => each(dirs, async (i) => (times ? setTimes(at_(i), i.entry.mode, i.entry.mtimeMs) : makeDir(at_(i), i.entry.mode | 0o700))),
+    mkdirs: (dirs, times) => each(dirs, async (i) => (times ? setTimes(at_(i), mode(i.entry.mode), i.entry.mtimeMs) : makeDir(at_(i), mode(i.entry.mode) | 0o700))),
     links: (links) => each(links, async (i) => makeLink(at_(i), i.entry.target ?? "")),
     same: (files) =>
       mapLimit(files, 16, async (i) => {
@@ -529,7 +609,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
           if (!("crc" in f)) p.fail(i.from, f.code, f.message);
           else {
             try {
-              todo.push({ i, b: { abs: at_(i), f, data: s.local.subarray(at + f.off, at + f.off + f.size) } });
+              todo.push({ i, b: { abs: at_(i), f: { ...f, mode: mode(f.mode) }, data: s.local.subarray(at + f.off, at + f.off + f.size) } });
             } catch (e) {
               p.fail(i.to, codeOf(e), msgOf(withPath(e, i.to)));
             }
@@ -556,7 +636,7 @@ async function download(s: Session, items: Item[]): Promise<void> {
       let open = true;
       let sink: FileSink | null = null;
       try {
-        const meta = { size: Number(o.size), mode: Number(o.mode), mtimeMs: Number(o.mtimeMs) };
+        const meta = { size: Number(o.size), mode: mode(Number(o.mode)), mtimeMs: Number(o.mtimeMs) };
         sink = await FileSink.open(at_(i), meta, s.chunk, s.opts.resume, s.opts.verify, s.direct);
         let first = 0;
         if (sink.existing.length > 0) {
@@ -597,7 +677,7 @@ async function directoryOf(dest: string): Promise<string> {
 }
 
 export async function cp(args: string[]): Promise<number> {
-  const opts: Options = { recursive: false, resume: false, verify: true, chunk: DEFAULT_CHUNK, depth: DEFAULT_DEPTH, provider: undefined, keyFile: undefined, mode: "human" };
+  const opts: Options = { recursive: false, resume: false, verify: true, chunk: DEFAULT_CHUNK, depth: DEFAULT_DEPTH, provider: undefined, keyFile: undefined, mode: "human", keepSetid: false, timeoutMs: DEFAULT_TIMEOUT_S * 1000 };
   const paths: string[] = [];
   for (let i = 0; i < args.length; i++) {
     const a = args[i]!;
@@ -607,11 +687,13 @@ export async function cp(args: string[]): Promise<number> {
     } else if (a === "-r" || a === "--recursive") opts.recursive = true;
     else if (a === "--resume") opts.resume = true;
     else if (a === "--no-verify") opts.verify = false;
+    else if (a === "--keep-setid") opts.keepSetid = true;
     else if (a === "--chunk") {
       opts.chunk = parseSize(args[++i], "--chunk");
       if (opts.chunk < 4096 || opts.chunk > 16 * 1024 * 1024) throw new CopyError("USAGE", "--chunk must be between 4k and 16m");
     } else if (a === "--depth") opts.depth = parseIntArg(args[++i], "--depth", 1, 64);
     else if (a === "--provider") opts.provider = args[++i];
+    else if (a === "--timeout") opts.timeoutMs = parseIntArg(args[++i], "--timeout", 0, 86_400) * 1000;
     else if (a === "--auth-key-file") opts.keyFile = args[++i];
     else if (a === "--json") opts.mode = "json";
     else if (a === "-q" || a === "--quiet") opts.mode = opts.mode === "json" ? "json" : "quiet";
@@ -633,12 +715,14 @@ export async function cp(args: string[]): Promise<number> {
     up = false;
     if (sr.some((x) => x!.host !== remote.host || x!.port !== remote.port)) throw new CopyError("USAGE", "every remote source must be on the same server");
   } else throw new CopyError("USAGE", "either the destination is remote (upload) or every source is (download), not both and not neither");
+  // a usage error (a bad --provider, a key file others can read) before anything else
+  const builder = builderFor(opts.provider, opts.keyFile);
   const p = new Progress(opts.mode);
   let s: Session;
   try {
-    s = await Session.open(remote, opts, p, up ? null : await directoryOf(dest));
+    s = await Session.open(remote, builder, opts, p, up ? null : await directoryOf(dest));
   } catch (e) {
-    p.fail(`${remote.host}:${remote.port}`, codeOf(e), msgOf(e));
+    p.fail(`${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + silentNote(e, opts));
     p.summary();
     return 1;
   }
@@ -648,7 +732,7 @@ export async function cp(args: string[]): Promise<number> {
   } catch (e0) {
     const e = lost(s.rdma, e0);
     const resumable = e instanceof RdmaError ? "; rerun with --resume to continue" : "";
-    p.fail(p.file || `${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + resumable);
+    p.fail(p.file || `${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + silentNote(e, opts) + resumable);
   } finally {
     await s.close();
   }

@@ -1,5 +1,5 @@
 /**
- * async-rdma serve [dir] [-p port] [--bind addr] [--read-only] [--auth-key-file f] [--provider p]
+ * async-rdma serve [dir] [-p port] [--bind addr] [--writable] [--keep-setid] [--auth-key-file f] [--provider p]
  *
  * Serves one directory tree to `async-rdma cp`. Every path a client names is
  * confined to the tree (copy/paths.ts); each connection gets its own ring of
@@ -8,26 +8,35 @@
  * Uploads land under temporary names until complete and verified.
  */
 import { lstat, realpath } from "node:fs/promises";
+import { dirname, relative } from "node:path";
 import { RpcServer, type RpcHandler } from "../rpc/index.js";
 import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
-import { builderFor, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
-import { checkLinkTarget, checkRel, CopyError, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
+import { builderFor, DEFAULT_BIND, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
+import { checkLinkTarget, checkRel, CopyError, inside, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
 import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
-import { allocRing, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
-import { makeDir, makeLink, mapLimit, setTimes, walk } from "./copy/tree.js";
+import { allocRing, chunkLen, FileSink, FileSource, sameSecond, StateBudget } from "./copy/files.js";
+import { makeDir, makeLink, mapLimit, peerMode, setTimes, walk } from "./copy/tree.js";
 import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str, toJson, VERSION, type Result, type SmallResult } from "./copy/protocol.js";
 
 export const USAGE = `usage: async-rdma serve [dir] [options]
 Serves the directory tree \`dir\` (default: the current directory) to \`async-rdma cp\`.
-Nothing outside it is readable or writable.
+Nothing outside it is readable or writable. By default the tree is served
+read-only, on this machine only (127.0.0.1): --bind and --writable say otherwise.
 
   -p, --port <n>          port to listen on (default ${DEFAULT_PORT}; 0 picks a free one)
-      --bind <addr>       address to listen on (default 0.0.0.0)
-      --read-only         refuse uploads and every change to the tree
+      --bind <addr>       address to listen on (default ${DEFAULT_BIND}; 0.0.0.0: every interface)
+      --writable          accept uploads, new directories and links
+      --read-only         refuse uploads and every change to the tree (the default)
+      --keep-setid        keep the setuid/setgid bits of uploaded files and directories
+                          (by default they are dropped)
       --auth-key-file <f> accept only clients that have this key (16 bytes or more)
       --provider <p>      tcp, verbs or auto (default auto)
   -h, --help              this help
 `;
+
+function loopback(addr: string): boolean {
+  return addr === "localhost" || addr === "::1" || /^127\./.test(addr) || /^::ffff:127\./i.test(addr);
+}
 
 /** Limits a client may ask for. */
 const MAX_CHUNK = 16 * 1024 * 1024;
@@ -37,12 +46,32 @@ const MAX_RING = 256 * 1024 * 1024;
 /** Ring bytes of all connections together: past it a hello is refused (EBUSY), the client may retry later. */
 const MAX_TOTAL_RING = 1024 * 1024 * 1024;
 let ringBytes = 0;
+/**
+ * A hello that does not fit ends connections that hold a ring and have had
+ * no call in flight for this long, longest idle first, so connections that
+ * sit idle cannot lock others out (a copy in progress always has a call in
+ * flight). It waits at most this long for such a connection to become idle
+ * enough; past that, EBUSY.
+ */
+const IDLE_EVICT_MS = 2_000;
+/** Every session that holds or may hold a ring. */
+const sessions = new Set<Session>();
 const MAX_OPEN = 256;
+/**
+ * Per-chunk state of uploads in progress (a CRC and a bit per chunk: 4.1
+ * bytes per chunk; with 1 MiB chunks 64 MiB covers 16 TiB of files, with
+ * the smallest chunks 64 GiB), per connection and for all together.
+ */
+const MAX_STATE = 64 * 1024 * 1024;
+const MAX_TOTAL_STATE = 256 * 1024 * 1024;
+const stateBudget = new StateBudget(MAX_TOTAL_STATE);
 const MAX_BATCH_FILES = 10_000;
 
 interface Options {
   root: string;
   readOnly: boolean;
+  /** Uploaded modes keep their setuid/setgid bits (--keep-setid). */
+  keepSetid: boolean;
 }
 
 /** One client's state: its ring and the files it has open. */
@@ -57,9 +86,16 @@ class Session {
   verify = true;
   /** The ring is aligned for O_DIRECT writes (FileSink). */
   direct = false;
+  /** Calls in flight, and when the last one ended (performance.now()). */
+  calls = 0;
+  lastCall = performance.now();
+  ended = false;
+  greeted = false;
   /** Ring bytes this session counts in ringBytes. */
   counted = 0;
   private readonly busy = new Set<number>();
+  /** Per-chunk state of this connection's uploads. */
+  readonly state = new StateBudget(MAX_STATE, stateBudget);
   readonly sinks = new Map<number, { sink: FileSink; rel: string }>();
   readonly sources = new Map<number, { src: FileSource; rel: string }>();
   private nextId = 1;
@@ -93,7 +129,17 @@ class Session {
     }
   }
 
+  /** Ended to make room for another connection's ring (it was idle). */
+  async evict(): Promise<void> {
+    console.error(`async-rdma serve: ended an idle connection from ${this.rdma.peer.address} to make room for another`);
+    void this.rdma.close().catch(() => {});
+    await this.end();
+  }
+
   async end(): Promise<void> {
+    if (this.ended) return;
+    this.ended = true;
+    sessions.delete(this);
     for (const { sink } of this.sinks.values()) await sink.abort();
     for (const { src } of this.sources.values()) await src.close();
     this.sinks.clear();
@@ -109,6 +155,31 @@ class Session {
   }
 }
 
+/**
+ * Makes room for `need` more ring bytes by ending idle connections (see
+ * IDLE_EVICT_MS); returns when there is room, or when there cannot be.
+ */
+async function makeRoom(need: number, me: Session): Promise<void> {
+  const deadline = performance.now() + IDLE_EVICT_MS;
+  for (;;) {
+    if (ringBytes + need <= MAX_TOTAL_RING) return;
+    const idle = [...sessions].filter((x) => x !== me && x.counted > 0 && x.calls === 0).sort((a, b) => a.lastCall - b.lastCall);
+    // when ending every idle connection would not make room, waiting is pointless
+    if (ringBytes - idle.reduce((a, x) => a + x.counted, 0) + need > MAX_TOTAL_RING) return;
+    const now = performance.now();
+    let later = Infinity;
+    for (const x of idle) {
+      if (ringBytes + need <= MAX_TOTAL_RING) return;
+      if (now - x.lastCall >= IDLE_EVICT_MS) {
+        if (x.calls === 0) await x.evict(); // (still idle: the awaits above let calls in)
+      } else later = Math.min(later, x.lastCall + IDLE_EVICT_MS);
+    }
+    if (ringBytes + need <= MAX_TOTAL_RING || now >= deadline) return;
+    // wait for the next connection to become idle long enough (bounded by the deadline)
+    await new Promise((r) => setTimeout(r, Math.max(1, Math.min(later, deadline) - now + 1)));
+  }
+}
+
 async function where(s: Session, path: unknown): Promise<{ rel: string; abs: string }> {
   const rel = checkRel(path);
   return { rel, abs: await resolveInside(s.opts.root, rel) };
@@ -120,10 +191,14 @@ function handlers(s: Session): Record<string, RpcHandler> {
   const h =
     (fn: (p: Uint8Array) => Promise<Uint8Array | void>): RpcHandler =>
     async (p) => {
+      s.calls++;
       try {
         return await fn(p);
       } catch (e) {
         throw withPath(e, "");
+      } finally {
+        s.calls--;
+        s.lastCall = performance.now();
       }
     };
   const json =
@@ -144,10 +219,13 @@ function handlers(s: Session): Record<string, RpcHandler> {
     });
   return {
     hello: json(async (o) => {
-      if (s.ring) throw new CopyError("PROTOCOL", "hello twice");
+      if (s.greeted || s.ended) throw new CopyError("PROTOCOL", "hello twice, or on an ended connection");
+      s.greeted = true;
       const chunk = int(o, "chunk", MIN_CHUNK, MAX_CHUNK);
       const depth = Math.min(int(o, "depth", 1, 1024), MAX_DEPTH, Math.floor(MAX_RING / chunk));
+      if (ringBytes + chunk * depth > MAX_TOTAL_RING) await makeRoom(chunk * depth, s);
       if (ringBytes + chunk * depth > MAX_TOTAL_RING) throw new CopyError("EBUSY", `the server is busy: its connections hold ${ringBytes >> 20} MiB of buffers (at most ${MAX_TOTAL_RING >> 20} MiB); retry later or ask for a smaller --chunk/--depth`);
+      if (s.ended) throw new CopyError("PROTOCOL", "the connection ended");
       ringBytes += chunk * depth;
       s.counted = chunk * depth;
       s.chunk = chunk;
@@ -174,9 +252,21 @@ function handlers(s: Session): Record<string, RpcHandler> {
       }
     }),
     list: json(async (o) => {
-      const { rel, abs } = await where(s, o.path);
+      let { rel, abs } = await where(s, o.path);
+      // follow: a link named on cp's command line is followed, to where it leads inside the tree
+      if (o.follow === true && rel !== "" && (await lstat(abs).catch(() => null))?.isSymbolicLink() === true) {
+        let real: string;
+        try {
+          real = await realpath(abs);
+        } catch (e) {
+          throw withPath(e, rel);
+        }
+        if (!inside(root, real)) throw new CopyError("ESCAPE", `${JSON.stringify(rel)} is a link that leads outside the served directory: refused`);
+        abs = real;
+        rel = relative(root, real);
+      }
       try {
-        return { entries: await walk(abs) };
+        return { entries: await walk(abs), path: rel };
       } catch (e) {
         throw withPath(e, rel);
       }
@@ -196,8 +286,9 @@ function handlers(s: Session): Record<string, RpcHandler> {
       return {
         results: await each(arr(o, "dirs", 1_000_000), async (d) => {
           const { abs } = await where(s, d.path);
-          if (times) await setTimes(abs, int(d, "mode", 0, 0o7777), num(d, "mtimeMs", -1e15, 1e15));
-          else await makeDir(abs, int(d, "mode", 0, 0o7777) | 0o700);
+          const mode = peerMode(int(d, "mode", 0, 0o7777), s.opts.keepSetid);
+          if (times) await setTimes(abs, mode, num(d, "mtimeMs", -1e15, 1e15));
+          else await makeDir(abs, mode | 0o700);
         }),
       };
     }),
@@ -207,7 +298,8 @@ function handlers(s: Session): Record<string, RpcHandler> {
         results: await each(arr(o, "links", 1_000_000), async (l) => {
           const { rel, abs } = await where(s, l.path);
           const target = str(l, "target");
-          checkLinkTarget(rel, target);
+          // judged from the link's real directory (abs's parent is a realpath), as the kernel will resolve it
+          checkLinkTarget(rel, target, root, dirname(abs));
           await makeLink(abs, target);
         }),
       };
@@ -216,10 +308,11 @@ function handlers(s: Session): Record<string, RpcHandler> {
       s.writable();
       const { rel, abs } = await where(s, o.path);
       if (rel === "") throw new CopyError("EISDIR", "the destination is the served directory, a file is expected");
-      const meta = { size: int(o, "size"), mode: int(o, "mode", 0, 0o7777), mtimeMs: num(o, "mtimeMs", -1e15, 1e15) };
+      if (!s.bytes || s.ended) throw new CopyError("PROTOCOL", "hello first");
+      const meta = { size: int(o, "size"), mode: peerMode(int(o, "mode", 0, 0o7777), s.opts.keepSetid), mtimeMs: num(o, "mtimeMs", -1e15, 1e15) };
       const id = s.id();
       try {
-        const sink = await FileSink.open(abs, meta, s.chunk, o.resume === true, s.verify, s.direct);
+        const sink = await FileSink.open(abs, meta, s.chunk, o.resume === true, s.verify, s.direct, s.state);
         s.sinks.set(id, { sink, rel });
         return { id, existing: sink.existing };
       } catch (e) {
@@ -279,7 +372,7 @@ function handlers(s: Session): Record<string, RpcHandler> {
     putSmall: json(async (o) => {
       s.writable();
       const slot = int(o, "slot", 0, 0xffffffff);
-      const files = smallFiles(o, "files", s.chunk, MAX_BATCH_FILES);
+      const files = smallFiles(o, "files", s.chunk, MAX_BATCH_FILES).map((f) => ("crc" in f ? { ...f, mode: peerMode(f.mode, s.opts.keepSetid) } : f));
       const parents = new Map<string, string>();
       const results: Result[] = files.map(() => ({ ok: true }));
       // the bytes are in our slot (the client WROTE them before this call, on the same QP)
@@ -380,8 +473,9 @@ function handlers(s: Session): Record<string, RpcHandler> {
 export async function serve(args: string[]): Promise<void> {
   let dir: string | undefined;
   let port = DEFAULT_PORT;
-  let bind = "0.0.0.0";
-  let readOnly = false;
+  let bind = DEFAULT_BIND;
+  let writable: boolean | undefined;
+  let keepSetid = false;
   let keyFile: string | undefined;
   let provider: string | undefined;
   for (let i = 0; i < args.length; i++) {
@@ -391,7 +485,11 @@ export async function serve(args: string[]): Promise<void> {
       return;
     } else if (a === "-p" || a === "--port") port = parseIntArg(args[++i], a, 0, 65535);
     else if (a === "--bind") bind = args[++i] ?? "";
-    else if (a === "--read-only") readOnly = true;
+    else if (a === "--read-only" || a === "--writable") {
+      if (writable !== undefined && writable !== (a === "--writable")) throw new CopyError("USAGE", "--read-only and --writable contradict each other");
+      writable = a === "--writable";
+    }
+    else if (a === "--keep-setid") keepSetid = true;
     else if (a === "--auth-key-file") keyFile = args[++i];
     else if (a === "--provider") provider = args[++i];
     else if (a.startsWith("-")) throw new CopyError("USAGE", `unknown option ${a} (async-rdma serve --help)`);
@@ -405,13 +503,18 @@ export async function serve(args: string[]): Promise<void> {
   } catch (e) {
     throw e instanceof CopyError ? e : new CopyError((e as { code?: string }).code ?? "ERROR", `${dir ?? "."}: ${(e as Error).message}`);
   }
+  const readOnly = writable !== true;
   const listener = await builderFor(provider, keyFile).bind(`${bind}:${port}`);
-  console.log(`async-rdma serve: serving ${root} on ${bind}:${listener.port}${readOnly ? " (read-only)" : ""}`);
+  // what is exposed, said once at start
+  console.log(`async-rdma serve: serving ${root} on ${bind}:${listener.port}`);
+  console.log(`  ${readOnly ? "read-only (--writable accepts uploads)" : "writable: clients may upload files and create directories and links"}; authentication ${keyFile !== undefined ? "on" : "off (--auth-key-file)"}; ${loopback(bind) ? "this machine only" : "reachable from the network"}`);
+  if (!readOnly && keyFile === undefined && !loopback(bind)) console.error(`async-rdma serve: warning: anyone who can reach ${bind}:${listener.port} can write into ${root} (no --auth-key-file)`);
   const stop = (): void => void listener.close().finally(() => process.exit(0));
   process.once("SIGINT", stop);
   process.once("SIGTERM", stop);
   for await (const rdma of listener) {
-    const session = new Session(rdma, { root, readOnly });
+    const session = new Session(rdma, { root, readOnly, keepSetid });
+    sessions.add(session);
     void new RpcServer(handlers(session), { maxInFlight: 256 })
       .serve(rdma)
       .catch((e: unknown) => console.error(`async-rdma serve: a connection from ${rdma.peer.address} failed: ${(e as Error).message}`))

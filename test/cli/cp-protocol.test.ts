@@ -7,27 +7,54 @@
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { existsSync, mkdirSync, mkdtempSync, readFileSync, realpathSync, rmSync, symlinkSync } from "node:fs";
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, realpathSync, rmSync, statSync, symlinkSync, utimesSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { crc32 } from "node:zlib";
 import { randomBytes } from "node:crypto";
 import { checkLinkTarget, checkRel, resolveInsideSync } from "../../src/cli/copy/paths.js";
-import { decodeGet, decodePut, encodeGet, encodePut, smallFiles } from "../../src/cli/copy/protocol.js";
-import { directShift, fileDigest, FileSink, tempName } from "../../src/cli/copy/files.js";
+import { checkListing, decodeGet, decodePut, encodeGet, encodePut, smallFiles } from "../../src/cli/copy/protocol.js";
+import { setTimes } from "../../src/cli/copy/tree.js";
+import { chunkStateBytes, directShift, fileDigest, FileSink, StateBudget, tempName } from "../../src/cli/copy/files.js";
 import { parseRemote } from "../../src/cli/cp.js";
 
 describe("cp protocol and receiver rules", () => {
-  it("a peer's claimed file size larger than the destination's file system is refused (ENOSPC) before anything is held or created", async () => {
+  it("a peer's claimed file size larger than the space free at the destination is refused (ENOSPC) before anything is held or created (issue 19 point 8)", async () => {
     const dir = mkdtempSync(join(tmpdir(), "ardma-cp-claim-"));
     try {
       const abs = join(dir, "huge");
       await assert.rejects(FileSink.open(abs, { size: 2 ** 52, mode: 0o644, mtimeMs: 0 }, 1 << 20, false), (e: Error & { code?: string }) => {
         assert.equal(e.code, "ENOSPC", e.message);
-        assert.match(e.message, /larger than the destination's file system/);
+        assert.match(e.message, /does not fit in the space free at the destination/);
         return true;
       });
       assert.equal(existsSync(tempName(abs)), false, "no temporary file for a refused claim");
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it("issue 19 point 8: per-chunk state is charged to a connection's budget and the process's, and given back when the file ends", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "ardma-cp-budget-"));
+    try {
+      const all = new StateBudget(3000);
+      const a = new StateBudget(2000, all);
+      const b = new StateBudget(2000, all);
+      const meta = { size: 400 * 4096, mode: 0o644, mtimeMs: 0 }; // 400 chunks: 1600 + 50 bytes
+      assert.equal(chunkStateBytes(meta.size, 4096), 1650);
+      const s1 = await FileSink.open(join(dir, "a1"), meta, 4096, false, true, false, a);
+      assert.equal(a.used, 1650);
+      await assert.rejects(FileSink.open(join(dir, "a2"), meta, 4096, false, true, false, a), { code: "EFBIG" });
+      assert.equal(existsSync(tempName(join(dir, "a2"))), false, "nothing created for a refused claim");
+      await assert.rejects(FileSink.open(join(dir, "b1"), meta, 4096, false, true, false, b), { code: "EBUSY" });
+      assert.equal(b.used, 0);
+      assert.equal(all.used, 1650);
+      await s1.abort();
+      assert.equal(all.used, 0);
+      const s2 = await FileSink.open(join(dir, "b1"), meta, 4096, false, true, false, b);
+      assert.equal(all.used, 1650);
+      await s2.abort();
+      assert.equal(all.used, 0);
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }
@@ -63,6 +90,55 @@ describe("cp protocol and receiver rules", () => {
     checkLinkTarget("l", "d/e");
     assert.throws(() => checkLinkTarget("d/l", "../../x"), { code: "ESCAPE" });
     assert.throws(() => checkLinkTarget("l", "/etc"), { code: "ESCAPE" });
+  });
+
+  it("issue 19 point 1: a link target is judged where the kernel resolves it: no '..' after a name, climbs counted from the link's real directory", () => {
+    // `up -> .` makes `up/../victim` leave the tree, though it reads as inside
+    assert.throws(() => checkLinkTarget("esc", "up/../victim"), { code: "ESCAPE" });
+    assert.throws(() => checkLinkTarget("d/l", "x/../../y"), { code: "ESCAPE" });
+    // `up/esc2` whose real directory is the root (up -> .): one climb leaves the tree
+    assert.throws(() => checkLinkTarget("up/esc2", "../victim", "/srv/t", "/srv/t"), { code: "ESCAPE" });
+    checkLinkTarget("up/esc2", "../victim", "/srv/t", "/srv/t/a");
+    checkLinkTarget("d/l", "../../d/x", "/srv/t", "/srv/t/a/b");
+    checkLinkTarget("l", "./a/./b");
+  });
+
+  it("issue 19 points 1 and 2: a directory's mode and times are set through the directory itself, never through a link", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "ardma-settimes-"));
+    try {
+      const victim = join(dir, "victim");
+      mkdirSync(victim, { mode: 0o700 });
+      utimesSync(victim, 1_000_000, 1_000_000);
+      symlinkSync(victim, join(dir, "link"));
+      // O_NOFOLLOW | O_DIRECTORY on a link: Linux says ENOTDIR (ELOOP elsewhere)
+      await assert.rejects(setTimes(join(dir, "link"), 0o6777, 0), (e: Error & { code?: string }) => (assert.match(String(e.code), /^(ELOOP|ENOTDIR)$/, e.message), true));
+      const st = statSync(victim);
+      assert.equal(st.mode & 0o7777, 0o700);
+      assert.equal(st.mtimeMs, 1_000_000_000);
+      await setTimes(victim, 0o750, 2_000_000_000);
+      assert.equal(statSync(victim).mode & 0o7777, 0o750);
+      assert.equal(statSync(victim).mtimeMs, 2_000_000_000);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it("issue 19 point 2: a listing is refused when a path comes twice, before its parent, or under a non-directory", () => {
+    const d = (path: string) => ({ path, type: "dir", size: 0, mode: 0o755, mtimeMs: 0 });
+    const l = (path: string) => ({ path, type: "symlink", size: 0, mode: 0o777, mtimeMs: 0, target: "/x" });
+    assert.equal(checkListing([d(""), d("A"), d("A/L"), l("A/M")], 10).length, 4);
+    for (const bad of [
+      [d(""), d("A/L"), d("A"), l("A/L")],
+      [d(""), d("A"), d("A/L"), l("A/./L")],
+      [d(""), l("A"), d("A/L")],
+      [d("A")],
+      [d(""), d("")],
+      [d(""), { ...d("A"), type: "fifo" }],
+      [d(""), { ...l("A"), target: 5 }],
+      [d(""), d("../A")],
+    ])
+      assert.throws(() => checkListing(bad, 10), (e: Error & { code?: string }) => (assert.match(String(e.code), /^(PROTOCOL|ESCAPE)$/, e.message), true), JSON.stringify(bad));
+    assert.throws(() => checkListing([d(""), d("a"), d("b")], 2), { code: "PROTOCOL" });
   });
 
   it("resolveInsideSync refuses a parent that leads outside through a symlink (a link left by an earlier copy)", () => {

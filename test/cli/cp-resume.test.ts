@@ -156,4 +156,40 @@ describe(`async-rdma cp / serve: peers killed, resume, changed sources [${PROVID
     assert.equal(r2.errors[0]?.code, "SOURCE_CHANGED", JSON.stringify(r2.errors));
     assert.equal(existsSync(join(base, "g")), false);
   });
+
+  it("issue 19 point 17: --resume into a destination that did not exist continues on the rerun, both ways (no nested copy)", async () => {
+    const base = mk("p17-new-dest");
+    const src = join(base, "tree");
+    mkdirSync(join(src, "sub"), { recursive: true });
+    writeFileSync(join(src, "a.txt"), "a\n");
+    writeFileSync(join(src, "sub", "big"), randomBytes(40 * CHUNK + 3));
+    const root = join(base, "served");
+    mkdirSync(root);
+    const s = await start(root);
+    const rerun = async (args: string[], dest: string, name: string): Promise<void> => {
+      const c = await cpStopped(args, 4 * CHUNK);
+      c.proc.kill();
+      await c.finish();
+      assert.ok(existsSync(join(dest, "sub")), `${name}: the first run made the new destination the copy of the tree`);
+      const r = await cp(args);
+      assert.equal(r.code, 0, r.err + r.out);
+      assert.equal(existsSync(join(dest, "tree")), false, `${name}: the rerun nested the copy`);
+      assert.ok(Number(r.result?.skipped) >= 3 * CHUNK, `${name}: skipped ${String(r.result?.skipped)}`);
+      assert.deepEqual(tree(dest), tree(src));
+      noTemps(dest);
+      const again = await cp(args);
+      assert.equal(again.code, 0, again.err + again.out);
+      assert.equal(again.result?.bytes, 0, `${name}: a finished copy sends nothing again`);
+      assert.equal(existsSync(join(dest, "tree")), false);
+    };
+    const opts = ["--resume", "-r", "--chunk", String(CHUNK), "--depth", "2"];
+    await rerun([...opts, src, s.at("dest")], join(root, "dest"), "upload");
+    await rerun([...opts, s.at("dest"), join(base, "down")], join(base, "down"), "download");
+    // a destination that existed (and holds something else) still gets the copy inside it
+    mkdirSync(join(base, "existing"));
+    writeFileSync(join(base, "existing", "mine"), "mine\n");
+    const r = await cp([...opts, s.at("dest"), join(base, "existing")]);
+    assert.equal(r.code, 0, r.err + r.out);
+    assert.deepEqual(tree(join(base, "existing", "dest")), tree(src));
+  });
 });

@@ -10,7 +10,7 @@ import { execFileSync } from "node:child_process";
 import { appendFileSync, chmodSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readFileSync, readdirSync, readlinkSync, rmSync, statSync, symlinkSync, utimesSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { cp, cpStopped, DEADLINE, PROVIDER, run, serve, type Server } from "../support/cp.js";
+import { cp, cpStopped, DEADLINE, HOST, PROVIDER, run, serve, type Server } from "../support/cp.js";
 
 const CHUNK = 64 * 1024;
 const isRoot = process.getuid?.() === 0;
@@ -137,6 +137,8 @@ describe(`async-rdma cp / serve: safety [${PROVIDER}]`, { timeout: 10 * DEADLINE
     mkdirSync(root);
     writeFileSync(join(base, "good"), randomBytes(24).toString("hex") + "\n");
     writeFileSync(join(base, "bad"), randomBytes(24).toString("hex") + "\n");
+    chmodSync(join(base, "good"), 0o600);
+    chmodSync(join(base, "bad"), 0o600);
     writeFileSync(join(base, "f"), "f\n");
     const s = await start(root, ["--auth-key-file", join(base, "good")]);
     const bad = await cp(["--auth-key-file", join(base, "bad"), join(base, "f"), s.at()]);
@@ -183,12 +185,14 @@ describe(`async-rdma cp / serve: safety [${PROVIDER}]`, { timeout: 10 * DEADLINE
       return;
     }
     try {
-      // The disk fills during the copy: a file the file system could hold (192 KiB of 256 KiB)
-      // after something else took most of it (160 KiB).
-      writeFileSync(join(root, "filler"), randomBytes(160 * 1024));
+      // The disk fills during the copy: a file that fits (192 KiB of 256 KiB) when it starts,
+      // then something else takes most of the space (160 KiB) after its first chunk.
       writeFileSync(join(base, "big"), randomBytes(192 * 1024));
       const s = await start(root);
-      const r = await cp(["--chunk", String(CHUNK), join(base, "big"), s.at("big")]);
+      const c = await cpStopped(["--chunk", String(CHUNK), "--depth", "1", join(base, "big"), s.at("big")], CHUNK);
+      writeFileSync(join(root, "filler"), randomBytes(160 * 1024));
+      process.kill(c.proc.pid, "SIGCONT");
+      const r = await c.finish();
       assert.notEqual(r.code, 0);
       assert.equal(r.errors[0]?.code, "ENOSPC", JSON.stringify(r.errors));
       assert.match(String(r.errors[0]?.message), /no space left/);
@@ -199,5 +203,61 @@ describe(`async-rdma cp / serve: safety [${PROVIDER}]`, { timeout: 10 * DEADLINE
     } finally {
       execFileSync("umount", ["-l", root]);
     }
+  });
+
+  it("issue 19 point 18: serve without options serves read-only, on this machine only, and says what it exposes", async () => {
+    const base = mk("p18");
+    const root = join(base, "served");
+    mkdirSync(root);
+    writeFileSync(join(root, "f"), "f\n");
+    writeFileSync(join(base, "up"), "up\n");
+    const p = run(["serve", root, "-p", "0"], { side: 0 });
+    try {
+      const m = await p.waitFor(/ on (\S+):(\d+)\n(.*)\n/);
+      assert.equal(m[1], "127.0.0.1", "bound to the loopback address");
+      assert.match(m[3]!, /read-only/);
+      assert.match(m[3]!, /authentication off/);
+      assert.match(m[3]!, /this machine only/);
+      if (HOST === "127.0.0.1") {
+        const at = `127.0.0.1:${m[2]}:`;
+        const up = await cp([join(base, "up"), `${at}g`]);
+        assert.notEqual(up.code, 0);
+        assert.equal(up.errors[0]?.code, "EROFS", JSON.stringify(up.errors));
+        assert.equal(existsSync(join(root, "g")), false);
+        const down = await cp([`${at}f`, join(base, "got")]);
+        assert.equal(down.code, 0, down.err + down.out);
+      }
+    } finally {
+      p.kill();
+    }
+    const w = run(["serve", root, "-p", "0", "--writable"], { side: 0 });
+    try {
+      const m = await w.waitFor(/ on (\S+):(\d+)\n(.*)\n/);
+      assert.match(m[3]!, /^  writable/);
+    } finally {
+      w.kill();
+    }
+  });
+
+  it("issue 19 point 13: a key file others can read is refused by cp and serve, as ssh does", async () => {
+    const base = mk("p13-key");
+    const root = join(base, "served");
+    mkdirSync(root);
+    const key = join(base, "key");
+    writeFileSync(key, randomBytes(24).toString("hex") + "\n");
+    writeFileSync(join(base, "f"), "f\n");
+    for (const mode of [0o644, 0o640, 0o604]) {
+      chmodSync(key, mode);
+      const sv = run(["serve", root, "-p", "0", "--auth-key-file", key], { side: 0 });
+      assert.equal(await sv.exited(), 2, sv.out() + sv.err());
+      assert.match(sv.err(), /accessible by others.*chmod 600/);
+      const c = run(["cp", "--auth-key-file", key, join(base, "f"), "127.0.0.1:1:x"]);
+      assert.equal(await c.exited(), 2, c.out() + c.err());
+      assert.match(c.err(), /accessible by others.*chmod 600/);
+    }
+    chmodSync(key, 0o600);
+    const s = await start(root, ["--auth-key-file", key]);
+    const good = await cp(["--auth-key-file", key, join(base, "f"), s.at()]);
+    assert.equal(good.code, 0, good.err + good.out);
   });
 });

@@ -158,4 +158,59 @@ describe(`async-rdma cp / serve: copies [${PROVIDER}]`, { timeout: 10 * DEADLINE
     assert.notEqual(r4.code, 0);
     assert.equal(r4.errors[0]?.code, "ENOTDIR");
   });
+
+  it("issue 19 point 17: a remote symlink named on the command line is followed inside the tree, never copied as a dangling link", async () => {
+    const base = mk("p17-links");
+    const root = join(base, "served");
+    mkdirSync(join(root, "dir"), { recursive: true });
+    writeFileSync(join(root, "dir", "file"), "content\n");
+    writeFileSync(join(base, "outside"), "outside\n");
+    symlinkSync("dir/file", join(root, "link-f"));
+    symlinkSync("dir", join(root, "link-d"));
+    symlinkSync(join(base, "outside"), join(root, "esc"));
+    const s = await start(root);
+    const f = await cp([s.at("link-f"), join(base, "got")]);
+    assert.equal(f.code, 0, f.err + f.out);
+    assert.ok(lstatSync(join(base, "got")).isFile());
+    assert.equal(readFileSync(join(base, "got"), "utf8"), "content\n");
+    const d = await cp(["-r", s.at("link-d"), join(base, "gotd")]);
+    assert.equal(d.code, 0, d.err + d.out);
+    assert.ok(lstatSync(join(base, "gotd")).isDirectory());
+    assert.equal(readFileSync(join(base, "gotd", "file"), "utf8"), "content\n");
+    const e = await cp([s.at("esc"), join(base, "gotesc")]);
+    assert.notEqual(e.code, 0);
+    assert.equal(e.errors[0]?.code, "ESCAPE", JSON.stringify(e.errors));
+    assert.equal(existsSync(join(base, "gotesc")), false);
+    // and uploads, as docs/cp.md says: a local link named on the command line is followed
+    symlinkSync(join(base, "got"), join(base, "local-link"));
+    symlinkSync(join(base, "gotd"), join(base, "local-dlink"));
+    const u = await cp(["-r", join(base, "local-link"), join(base, "local-dlink"), s.at("dir")]);
+    assert.equal(u.code, 0, u.err + u.out);
+    assert.ok(lstatSync(join(root, "dir", "local-link")).isFile());
+    assert.equal(readFileSync(join(root, "dir", "local-dlink", "file"), "utf8"), "content\n");
+  });
+
+  it("issue 19 point 17: a trailing slash names a directory: a file is never created under that name", async () => {
+    const base = mk("p17-slash");
+    const root = join(base, "served");
+    mkdirSync(join(root, "d"), { recursive: true });
+    writeFileSync(join(root, "afile"), "keep\n");
+    writeFileSync(join(base, "f"), "f\n");
+    const s = await start(root);
+    const r1 = await cp([join(base, "f"), s.at("missing-dir/")]);
+    assert.notEqual(r1.code, 0);
+    assert.equal(r1.errors[0]?.code, "ENOENT", JSON.stringify(r1.errors));
+    assert.equal(existsSync(join(root, "missing-dir")), false);
+    const r2 = await cp([join(base, "f"), s.at("afile/")]);
+    assert.notEqual(r2.code, 0);
+    assert.equal(r2.errors[0]?.code, "ENOTDIR", JSON.stringify(r2.errors));
+    assert.equal(readFileSync(join(root, "afile"), "utf8"), "keep\n");
+    const r3 = await cp([s.at("afile"), join(base, "missing-local") + "/"]);
+    assert.notEqual(r3.code, 0);
+    assert.equal(r3.errors[0]?.code, "ENOENT", JSON.stringify(r3.errors));
+    assert.equal(existsSync(join(base, "missing-local")), false);
+    const ok = await cp([join(base, "f"), s.at("d/")]);
+    assert.equal(ok.code, 0, ok.err + ok.out);
+    assert.equal(readFileSync(join(root, "d", "f"), "utf8"), "f\n");
+  });
 });

@@ -10,6 +10,8 @@ import { fileURLToPath } from "node:url";
 import { dirname, join } from "node:path";
 import { PROVIDER, deviceNames, SLOW } from "./seam.js";
 import { HOST } from "./api.js";
+import { RpcClient, RpcServer, type RpcHandler } from "../../src/rpc/index.js";
+import { RdmaBuilder, type LocalMr, type Rdma, type RdmaListener } from "../../src/index.js";
 
 const here = dirname(fileURLToPath(import.meta.url));
 export const MAIN = join(here, "..", "..", "src", "cli", "main.js");
@@ -78,7 +80,8 @@ export interface Server extends Proc {
 }
 
 export async function serve(dir: string, args: string[] = [], spawnOpts: SpawnOptions = {}): Promise<Server> {
-  const p = run(["serve", dir, "-p", "0", "--bind", HOST, ...args], { side: 0, spawn: spawnOpts });
+  // writable unless the test says --read-only (serve's default is read-only)
+  const p = run(["serve", dir, "-p", "0", "--bind", HOST, ...(args.includes("--read-only") ? [] : ["--writable"]), ...args], { side: 0, spawn: spawnOpts });
   const m = await p.waitFor(/ on .*:(\d+)/);
   const port = Number(m[1]);
   return { ...p, port, at: (path = "") => `${HOST}:${port}:${path}` };
@@ -142,6 +145,88 @@ export async function cpStopped(args: string[], bytes: number): Promise<{ proc: 
     async finish() {
       const code = await proc.exited();
       return parse(code, proc.out(), proc.err());
+    },
+  };
+}
+
+/** A connection to a server speaking the cp protocol by hand: JSON calls, each with a deadline. */
+export interface RawClient {
+  rdma: Rdma;
+  rpc: RpcClient;
+  /** Calls `method` with the JSON `o`; resolves to the JSON answer (rejects with the server's error). */
+  call(method: string, o: unknown, timeoutMs?: number): Promise<Record<string, unknown>>;
+  close(): Promise<void>;
+}
+
+/**
+ * A builder as the cp and serve commands make one (the provider and device
+ * of the side under test, the default connection manager), for peers in the
+ * test's own process that talk to them.
+ */
+function cliBuilder(side: 0 | 1): RdmaBuilder {
+  const b = new RdmaBuilder().setProvider(PROVIDER);
+  const dev = deviceNames()[side];
+  if (PROVIDER === "verbs" && dev) b.setDevice(dev);
+  return b;
+}
+
+export async function rawClient(port: number): Promise<RawClient> {
+  const rdma = await cliBuilder(1).connect({ host: HOST, port });
+  const rpc = new RpcClient(rdma);
+  return {
+    rdma,
+    rpc,
+    call: async (method, o, timeoutMs = DEADLINE) => JSON.parse(new TextDecoder().decode(await rpc.call(method, new TextEncoder().encode(JSON.stringify(o)), { timeoutMs }))) as Record<string, unknown>,
+    close: async () => void (await rdma.close().catch(() => {})),
+  };
+}
+
+/** What a fake server's handler sees: the call's JSON and the connection's ring (shared as "cp-ring"). */
+export type FakeHandler = (o: Record<string, unknown>, ring: LocalMr) => unknown;
+
+export interface FakeServer {
+  port: number;
+  at(path?: string): string;
+  close(): Promise<void>;
+}
+
+/**
+ * An in-process server that speaks the cp protocol with handlers the test
+ * writes (a hostile server): `hello` is answered as serve does (a ring of
+ * chunk × depth shared as "cp-ring") unless the test gives its own.
+ */
+export async function fakeServer(handlers: Record<string, FakeHandler>): Promise<FakeServer> {
+  const listener: RdmaListener = await cliBuilder(0).bind(`${HOST}:0`);
+  const conns = new Set<Rdma>();
+  void (async () => {
+    for await (const rdma of listener) {
+      conns.add(rdma);
+      let ring: LocalMr | null = null;
+      const json =
+        (fn: (o: Record<string, unknown>) => unknown): RpcHandler =>
+        async (p) => new TextEncoder().encode(JSON.stringify(await fn(JSON.parse(new TextDecoder().decode(p)) as Record<string, unknown>)));
+      const table: Record<string, RpcHandler> = {
+        hello: json((o) => {
+          const chunk = Number(o.chunk);
+          const depth = Number(o.depth);
+          ring = rdma.allocLocalMr(chunk * depth);
+          rdma.share("cp-ring", ring, { access: "read" });
+          return { version: 1, chunk, depth, ring: "cp-ring", readOnly: false };
+        }),
+      };
+      for (const [name, fn] of Object.entries(handlers)) table[name] = json((o) => fn(o, ring!));
+      void new RpcServer(table)
+        .serve(rdma)
+        .catch(() => {})
+        .finally(() => conns.delete(rdma));
+    }
+  })().catch(() => {});
+  return {
+    port: listener.port,
+    at: (path = "") => `${HOST}:${listener.port}:${path}`,
+    async close() {
+      await Promise.allSettled([...conns].map((c) => c.close()));
+      await listener.close().catch(() => {});
     },
   };
 }

@@ -135,7 +135,7 @@ async function flush(files: string[], dirs: boolean): Promise<void> {
   if (dirs) await mapLimit([...new Set(files.map((f) => dirname(f)))], 4, syncDir);
   else
     await mapLimit(files, 4, async (f) => {
-      const fh = await open(f, constants.O_RDONLY | constants.O_NOFOLLOW);
+      const fh = await open(f, constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK);
       try {
         await fh.sync();
       } finally {
@@ -154,8 +154,10 @@ function writeTemp(b: BatchFile, verify: boolean): void {
     st = null;
   }
   if (st?.isDirectory()) throw new CopyError("EISDIR", "the destination is a directory, a file is expected");
-  const fd = openSync(tempName(b.abs), constants.O_WRONLY | constants.O_CREAT | constants.O_TRUNC | constants.O_NOFOLLOW, 0o600);
+  // O_NONBLOCK: a FIFO left under the temporary name fails (ENXIO) or is refused below, never blocks
+  const fd = openSync(tempName(b.abs), constants.O_WRONLY | constants.O_CREAT | constants.O_TRUNC | constants.O_NOFOLLOW | constants.O_NONBLOCK, 0o600);
   try {
+    if (!fstatSync(fd).isFile()) throw new CopyError("EEXIST", "its temporary name is taken by something that is not a regular file");
     let done = 0;
     while (done < b.data.length) done += writeSync(fd, b.data, done, b.data.length - done, done);
     fchmodSync(fd, b.f.mode & 0o7777);
@@ -199,10 +201,12 @@ export async function writeBatch(files: BatchFile[], verify: boolean): Promise<(
 /**
  * Reads a small regular file whole into `into` (the last component followed
  * only if `follow`); a file larger than `into` is E2BIG (or, when it was
- * planned smaller, SOURCE_CHANGED).
+ * planned smaller, SOURCE_CHANGED). Anything but a regular file is refused
+ * without blocking: the open is non-blocking (a FIFO opened for reading
+ * would otherwise wait for a writer, here on the main thread).
  */
 export function readSmallInto(abs: string, follow: boolean, into: Uint8Array, verify: boolean): { meta: FileMeta; crc: number } {
-  const fd = openSync(abs, constants.O_RDONLY | (follow ? 0 : constants.O_NOFOLLOW));
+  const fd = openSync(abs, constants.O_RDONLY | constants.O_NONBLOCK | (follow ? 0 : constants.O_NOFOLLOW));
   try {
     const st = fstatSync(fd);
     if (!st.isFile()) throw new CopyError(st.isDirectory() ? "EISDIR" : "EINVAL", st.isDirectory() ? "is a directory" : "is not a regular file");

@@ -47,11 +47,63 @@ export function chunkLen(size: number, chunk: number, i: number): number {
   return Math.min(chunk, size - i * chunk);
 }
 
-export function fileDigest(size: number, crcs: readonly number[]): string {
-  const b = Buffer.alloc(8 + 4 * crcs.length);
-  b.writeBigUInt64BE(BigInt(size), 0);
-  crcs.forEach((c, i) => b.writeUInt32BE(c >>> 0, 8 + 4 * i));
-  return createHash("sha256").update(b).digest("hex");
+export function fileDigest(size: number, crcs: ArrayLike<number>, count = crcs.length): string {
+  const h = createHash("sha256");
+  const head = Buffer.alloc(8);
+  head.writeBigUInt64BE(BigInt(size), 0);
+  h.update(head);
+  // in pieces: a file of millions of chunks needs no second copy of its CRCs
+  const piece = Buffer.alloc(4 * Math.min(count, 16384));
+  for (let i = 0; i < count; i += 16384) {
+    const m = Math.min(16384, count - i);
+    for (let k = 0; k < m; k++) piece.writeUInt32BE((crcs[i + k] ?? 0) >>> 0, 4 * k);
+    h.update(piece.subarray(0, 4 * m));
+  }
+  return h.digest("hex");
+}
+
+/**
+ * What a receiver holds per file while it arrives: a CRC-32 and a bit per
+ * chunk. Its size follows from the sender's claimed size and chunk size, so
+ * it is charged to a StateBudget before anything is allocated.
+ */
+export function chunkStateBytes(size: number, chunk: number): number {
+  const n = chunkCount(size, chunk);
+  return 4 * n + Math.ceil(n / 8);
+}
+
+/**
+ * Bytes of per-chunk state that files being received may hold: one budget
+ * per connection, charged also to its parent (the process's).
+ */
+export class StateBudget {
+  used = 0;
+  constructor(
+    readonly limit: number,
+    private readonly parent: StateBudget | null = null,
+  ) {}
+
+  /** Charges `n` bytes (to the parent too), or throws: EFBIG past this budget, EBUSY past the parent's. */
+  take(n: number): void {
+    if (this.used + n > this.limit)
+      throw new CopyError(
+        this.parent ? "EFBIG" : "EBUSY",
+        this.parent
+          ? `receiving this file needs ${mib(n)} of bookkeeping (a CRC per chunk), and this connection's files may hold ${mib(this.limit)} (${mib(this.used)} in use): use a larger --chunk`
+          : `the server is busy: files being received hold ${mib(this.used)} of bookkeeping (at most ${mib(this.limit)}); retry later or use a larger --chunk`,
+      );
+    this.parent?.take(n);
+    this.used += n;
+  }
+
+  give(n: number): void {
+    this.used -= n;
+    this.parent?.give(n);
+  }
+}
+
+function mib(n: number): string {
+  return `${(n / 2 ** 20).toFixed(1)} MiB`;
 }
 
 export function tempName(abs: string): string {
@@ -238,9 +290,14 @@ export class FileSink {
   private direct: FileHandle | null = null;
   /** Bytes written with O_DIRECT (the rest went through the page cache). */
   directBytes = 0;
-  private readonly crcs: number[];
+  /** CRC-32 of each chunk received, and a bit per chunk: received (compact: millions of chunks are possible). */
+  private readonly crcs: Uint32Array;
   private readonly have: Uint8Array;
+  private readonly n: number;
   private missing: number;
+  /** Bytes charged to `budget` for crcs and have, given back when the sink closes. */
+  private charged = 0;
+  private budget: StateBudget | null = null;
   /** CRC-32s of the whole chunks a kept temporary file already holds (resume). */
   readonly existing: number[];
   private closed = false;
@@ -255,8 +312,9 @@ export class FileSink {
     private readonly verify: boolean,
   ) {
     const n = chunkCount(meta.size, chunk);
-    this.crcs = new Array<number>(n).fill(0);
-    this.have = new Uint8Array(n);
+    this.n = n;
+    this.crcs = new Uint32Array(n);
+    this.have = new Uint8Array(Math.ceil(n / 8));
     this.missing = n;
     this.existing = existing;
   }
@@ -266,40 +324,68 @@ export class FileSink {
    * directory. `direct`: every buffer given to write() starts at an address
    * aligned for O_DIRECT (see directShift).
    */
-  static async open(abs: string, meta: FileMeta, chunk: number, resume: boolean, verify = true, direct = false): Promise<FileSink> {
+  static async open(abs: string, meta: FileMeta, chunk: number, resume: boolean, verify = true, direct = false, budget: StateBudget | null = null): Promise<FileSink> {
     const st = await lstat(abs).catch(() => null);
     if (st?.isDirectory()) throw new CopyError("EISDIR", "the destination is a directory, a file is expected");
-    // The size is the peer's claim, and what this side holds per file (a CRC and a flag per
-    // chunk) grows with it: a file larger than the whole file system can never arrive.
-    const fsst = await statfs(dirname(abs)).catch(() => null);
-    if (fsst !== null && meta.size > fsst.blocks * fsst.bsize) throw new CopyError("ENOSPC", `a file of ${meta.size} bytes is larger than the destination's file system (${fsst.blocks * fsst.bsize} bytes)`);
     const tmp = tempName(abs);
+    // The size is the peer's claim, and what this side holds per file (a CRC and a bit per
+    // chunk) grows with it: a claim is bounded by the space actually free (a kept temporary
+    // file's blocks count as free: it is reused or replaced), and its state is charged to the budget.
+    const fsst = await statfs(dirname(abs)).catch(() => null);
+    if (fsst !== null) {
+      const kept = await lstat(tmp).catch(() => null);
+      const free = fsst.bavail * fsst.bsize + (kept?.isFile() ? kept.blocks * 512 : 0);
+      if (meta.size > free) throw new CopyError("ENOSPC", `a file of ${meta.size} bytes does not fit in the space free at the destination (${free} bytes)`);
+    }
+    const state = chunkStateBytes(meta.size, chunk);
+    budget?.take(state);
     let fh: FileHandle | null = null;
     let existing: number[] = [];
-    if (resume) {
-      fh = await open(tmp, constants.O_RDWR | constants.O_NOFOLLOW).catch(() => null);
-      if (fh) {
-        const s = await fh.stat();
-        if (!s.isFile()) {
+    try {
+      if (resume) {
+        fh = await open(tmp, constants.O_RDWR | constants.O_NOFOLLOW | constants.O_NONBLOCK).catch(() => null);
+        if (fh) {
+          const s = await fh.stat();
+          if (!s.isFile()) {
+            await fh.close();
+            fh = null;
+            throw new CopyError("EEXIST", `${basename(tmp)} exists and is not a regular file`);
+          }
+          existing = await chunkCrcs(fh, Math.min(s.size, meta.size), chunk, chunkCount(meta.size, chunk));
+        }
+      }
+      if (!fh) {
+        fh = await open(tmp, constants.O_RDWR | constants.O_CREAT | constants.O_TRUNC | constants.O_NOFOLLOW | constants.O_NONBLOCK, 0o600);
+        if (!(await fh.stat()).isFile()) {
           await fh.close();
+          fh = null;
           throw new CopyError("EEXIST", `${basename(tmp)} exists and is not a regular file`);
         }
-        existing = await chunkCrcs(fh, Math.min(s.size, meta.size), chunk, chunkCount(meta.size, chunk));
       }
+    } catch (e) {
+      await fh?.close().catch(() => {});
+      budget?.give(state);
+      throw e;
     }
-    fh ??= await open(tmp, constants.O_RDWR | constants.O_CREAT | constants.O_TRUNC | constants.O_NOFOLLOW, 0o600);
     const sink = new FileSink(abs, tmp, meta, chunk, fh, existing, verify);
-    if (direct && O_DIRECT !== undefined && chunk % DIRECT_ALIGN === 0 && meta.size >= chunk) {
-      // the same file again, by its descriptor (the name could have been replaced meanwhile)
-      sink.direct = await open(`/proc/self/fd/${fh.fd}`, constants.O_WRONLY | O_DIRECT).catch(() => null);
-      // writes that extend the file are serialized (and waited for) by the file system: set the size
-      // first, but only to a size the file system has room for (the size is the peer's claim; a
-      // sparse file of any claimed size would cost nothing now and a whole read on --resume)
-      if (sink.direct !== null) {
-        const cur = (await fh.stat()).size;
-        const fsst = await statfs(dirname(abs)).catch(() => null);
-        if (cur < meta.size && fsst !== null && meta.size - cur <= fsst.bavail * fsst.bsize) await fh.truncate(meta.size);
+    sink.budget = budget;
+    sink.charged = state;
+    try {
+      if (direct && O_DIRECT !== undefined && chunk % DIRECT_ALIGN === 0 && meta.size >= chunk) {
+        // the same file again, by its descriptor (the name could have been replaced meanwhile)
+        sink.direct = await open(`/proc/self/fd/${fh.fd}`, constants.O_WRONLY | O_DIRECT).catch(() => null);
+        // writes that extend the file are serialized (and waited for) by the file system: set the size
+        // first, but only to a size the file system has room for (the size is the peer's claim; a
+        // sparse file of any claimed size would cost nothing now and a whole read on --resume)
+        if (sink.direct !== null) {
+          const cur = (await fh.stat()).size;
+          const fsst = await statfs(dirname(abs)).catch(() => null);
+          if (cur < meta.size && fsst !== null && meta.size - cur <= fsst.bavail * fsst.bsize) await fh.truncate(meta.size);
+        }
       }
+    } catch (e) {
+      await sink.abort();
+      throw e;
     }
     return sink;
   }
@@ -309,9 +395,7 @@ export class FileSink {
     if (!Number.isInteger(n) || n < 0 || n > this.existing.length) throw new CopyError("PROTOCOL", `accept: ${n} chunks, the temporary file has ${this.existing.length}`);
     let bytes = 0;
     for (let i = 0; i < n; i++) {
-      if (!this.have[i]) this.missing--;
-      this.have[i] = 1;
-      this.crcs[i] = this.existing[i]!;
+      this.mark(i, this.existing[i]!);
       bytes += chunkLen(this.meta.size, this.chunk, i);
     }
     return bytes;
@@ -321,7 +405,7 @@ export class FileSink {
   async write(off: number, bytes: Uint8Array, crc: number): Promise<void> {
     if (this.closed) throw new CopyError("PROTOCOL", "write after the file was closed");
     const i = off / this.chunk;
-    if (!Number.isInteger(i) || i < 0 || i >= this.have.length) throw new CopyError("PROTOCOL", `chunk at offset ${off} is outside the file`);
+    if (!Number.isInteger(i) || i < 0 || i >= this.n) throw new CopyError("PROTOCOL", `chunk at offset ${off} is outside the file`);
     if (bytes.length !== chunkLen(this.meta.size, this.chunk, i)) throw new CopyError("PROTOCOL", `chunk ${i} has ${bytes.length} bytes, expected ${chunkLen(this.meta.size, this.chunk, i)}`);
     // --no-verify: the sender sent no CRC and nothing is checked
     const got = this.verify ? crc32(bytes) >>> 0 : 0;
@@ -346,9 +430,14 @@ export class FileSink {
       const { bytesWritten } = await this.fh.write(bytes, done, bytes.length - done, off + done);
       done += bytesWritten;
     }
-    if (!this.have[i]) this.missing--;
-    this.have[i] = 1;
-    this.crcs[i] = got;
+    this.mark(i, got);
+  }
+
+  private mark(i: number, crc: number): void {
+    const bit = 1 << (i & 7);
+    if ((this.have[i >> 3]! & bit) === 0) this.missing--;
+    this.have[i >> 3]! |= bit;
+    this.crcs[i] = crc;
   }
 
   /** Verifies, flushes, sets mode and mtime, and renames to the final name. */
@@ -357,6 +446,7 @@ export class FileSink {
     const mine = fileDigest(this.meta.size, this.crcs);
     if (this.verify && mine !== digest) throw new CopyError("CHECKSUM", `the file's digest ${mine.slice(0, 16)}… differs from the sender's ${String(digest).slice(0, 16)}…`);
     this.closed = true;
+    this.release();
     await this.closeDirect();
     try {
       await this.fh.truncate(this.meta.size);
@@ -375,8 +465,14 @@ export class FileSink {
   async abort(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
+    this.release();
     await this.closeDirect();
     await this.fh.close().catch(() => {});
+  }
+
+  private release(): void {
+    this.budget?.give(this.charged);
+    this.charged = 0;
   }
 
   private async closeDirect(): Promise<void> {
@@ -403,9 +499,13 @@ export class FileSource {
     return { size: this.st.size, mode: this.st.mode & 0o7777, mtimeMs: this.st.mtimeMs };
   }
 
-  /** Opens a regular file; the last component is not followed unless `follow`. */
+  /**
+   * Opens a regular file; the last component is not followed unless
+   * `follow`. Anything else is refused without blocking (non-blocking open:
+   * a FIFO would otherwise hold a thread of libuv's pool until a writer came).
+   */
   static async open(abs: string, follow = false): Promise<FileSource> {
-    const fh = await open(abs, constants.O_RDONLY | (follow ? 0 : constants.O_NOFOLLOW));
+    const fh = await open(abs, constants.O_RDONLY | constants.O_NONBLOCK | (follow ? 0 : constants.O_NOFOLLOW));
     const st = await fh.stat();
     if (!st.isFile()) {
       await fh.close();
@@ -418,7 +518,7 @@ export class FileSource {
   async readChunk(i: number, chunk: number, buf: Uint8Array, verify = true): Promise<number> {
     const n = chunkLen(this.st.size, chunk, i);
     const got = await readFully(this.fh, buf, n, i * chunk);
-    if (got < n) throw new CopyError("SOURCE_CHANGED", `${this.abs}: the file shrank during the copy (chunk ${i} short by ${n - got} bytes); rerun with --resume`);
+    if (got < n) throw new CopyError("SOURCE_CHANGED", `the file shrank during the copy (chunk ${i} short by ${n - got} bytes); rerun with --resume`);
     const c = verify ? crc32(buf.subarray(0, n)) >>> 0 : 0;
     this.crcs[i] = c;
     return c;

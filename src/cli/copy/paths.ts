@@ -56,31 +56,65 @@ export async function resolveInside(root: string, rel: string): Promise<string> 
   return join(parent, basename(abs));
 }
 
-/** A symlink target that, placed at `rel`, stays inside the root (relative, no climb above it). */
-export function checkLinkTarget(rel: string, target: string): void {
-  if (target.startsWith("/")) throw new CopyError("ESCAPE", `symlink ${JSON.stringify(rel)} -> ${JSON.stringify(target)}: an absolute target is refused (it points outside the served directory)`);
-  const n = posix.normalize(posix.join(posix.dirname(rel), target));
-  if (n === ".." || n.startsWith("../")) throw new CopyError("ESCAPE", `symlink ${JSON.stringify(rel)} -> ${JSON.stringify(target)} points outside the served directory: refused`);
+/**
+ * A symlink target that, placed at `rel`, stays inside the root. The kernel
+ * resolves a target from the link's physical directory, component by
+ * component, following links: `up/../victim` with `up -> .` leaves the tree
+ * although it reads as inside. So a target is judged where the kernel will
+ * resolve it: from `parent`, the realpath of the link's directory (as
+ * resolveInside returns it), `..` only at its start (climbing real
+ * directories, never a link), and never above the root. `parent` defaults
+ * to the lexical directory of `rel` under a stand-in root (for checks
+ * without a file system).
+ */
+export function checkLinkTarget(rel: string, target: string, root = "/tree", parent = posix.join(root, posix.dirname(rel))): void {
+  const say = (why: string): CopyError => new CopyError("ESCAPE", `symlink ${JSON.stringify(rel)} -> ${JSON.stringify(target)}: ${why}: refused`);
+  if (target.includes("\0")) throw say("a target with a NUL byte");
+  if (target.startsWith("/")) throw say("an absolute target points outside the served directory");
+  const parts = target.split("/").filter((x) => x !== "" && x !== ".");
+  const climb = parts.findIndex((x) => x !== "..");
+  if (climb >= 0 && parts.slice(climb).includes("..")) throw say("'..' after a name (it would climb from wherever that name leads)");
+  const n = posix.normalize(posix.join(parent, target));
+  if (!inside(root, n)) throw say("it points outside the served directory");
 }
 
-/** Puts the peer's relative path in place of our absolute one in an fs error. */
+/** Messages for the fs codes a peer may see; any other code is named by itself. */
+const FS_MESSAGES: Record<string, string> = {
+  ENOENT: "no such file or directory",
+  EACCES: "permission denied",
+  EPERM: "operation not permitted",
+  ENOTDIR: "a path component is not a directory",
+  EISDIR: "is a directory",
+  ENOSPC: "no space left on the device",
+  EDQUOT: "disk quota exceeded",
+  EEXIST: "already exists",
+  ELOOP: "is a symlink (not followed)",
+  EROFS: "read-only file system",
+  EFBIG: "file too large",
+  ENAMETOOLONG: "name too long",
+  ENOTEMPTY: "directory not empty",
+  EMLINK: "too many links",
+  EBUSY: "device or resource busy",
+  ETXTBSY: "text file busy",
+  EIO: "input/output error",
+  EINVAL: "invalid argument",
+  ENXIO: "no such device or address",
+  EMFILE: "too many open files",
+  ENFILE: "too many open files in the system",
+  EXDEV: "cross-device link",
+  EAGAIN: "resource temporarily unavailable",
+  EOVERFLOW: "value too large",
+};
+
+/**
+ * Puts the peer's relative path in place of our absolute one in an fs
+ * error. Node's own message names the absolute path, so it is never used:
+ * a code without a message of ours is named by itself.
+ */
 export function withPath(e: unknown, rel: string): unknown {
   const code = (e as { code?: unknown })?.code;
   if (typeof code !== "string" || e instanceof CopyError) return e;
-  const what: Record<string, string> = {
-    ENOENT: "no such file or directory",
-    EACCES: "permission denied",
-    EPERM: "operation not permitted",
-    ENOTDIR: "a path component is not a directory",
-    EISDIR: "is a directory",
-    ENOSPC: "no space left on the device",
-    EDQUOT: "disk quota exceeded",
-    EEXIST: "already exists",
-    ELOOP: "is a symlink (not followed)",
-    EROFS: "read-only file system",
-    EFBIG: "file too large",
-  };
-  return new CopyError(code, `${rel === "" ? "." : rel}: ${what[code] ?? (e as Error).message}`);
+  return new CopyError(code, `${rel === "" ? "." : rel}: ${FS_MESSAGES[code] ?? code.toLowerCase()}`);
 }
 
 /**

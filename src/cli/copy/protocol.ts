@@ -8,7 +8,9 @@
  *           for a read-only server, else "write". Slot k is bytes
  *           [k·chunk, (k+1)·chunk); the client owns the slot numbers.
  *   stat    {path}                             → {type, size, mode, mtimeMs}
- *   list    {path}                             → {entries: Entry[]} (the tree, never following links)
+ *   list    {path, follow?}                    → {entries: Entry[], path} (the tree, never following
+ *           links inside it; with `follow`, a link at `path` itself is followed to where it
+ *           leads inside the served tree, and `path` is where that is)
  *   check   {files: [{path, size, mtimeMs}]}   → {same: boolean[]}   (resume's quick check)
  *   mkdirs  {dirs: [{path, mode, mtimeMs}], times} → {results}
  *   symlinks {links: [{path, target}]}         → {results}
@@ -32,7 +34,8 @@
  * SmallFile: {path, size, mode, mtimeMs, crc, off}: `size` bytes at `off` in
  * the slot; a slot's files never overlap and stay inside it.
  */
-import { CopyError } from "./paths.js";
+import { posix } from "node:path";
+import { checkRel, CopyError } from "./paths.js";
 
 export const VERSION = 1;
 export const PUT_BYTES = 24;
@@ -153,6 +156,38 @@ export function smallFiles(o: Record<string, unknown>, k: string, slotBytes: num
     if (f.off < end || f.off + f.size > slotBytes) throw new CopyError("PROTOCOL", `${k}: ${JSON.stringify(path)} at ${f.off}+${f.size} overlaps another file or leaves the slot`);
     end = f.off + f.size;
     out.push(f);
+  }
+  return out;
+}
+
+/**
+ * A peer's listing (the answer to `list`), checked before anything is
+ * created from it: well-formed entries, paths confined and normalised, the
+ * listed path itself first, every other path once and after its parent
+ * directory. (A listing that names `A/L` before `A`, or `A/L` twice, once as
+ * a directory and once as a link, could otherwise make the receiver set a
+ * directory's mode and times through a link it created.)
+ */
+export function checkListing(v: unknown, max: number): Entry[] {
+  if (!Array.isArray(v) || v.length > max) throw new CopyError("PROTOCOL", `a listing must be a list of at most ${max} entries`);
+  const seen = new Map<string, EntryType>();
+  const out: Entry[] = [];
+  for (const x of v as unknown[]) {
+    if (x === null || typeof x !== "object") throw new CopyError("PROTOCOL", "a listing's entries must be objects");
+    const o = x as Record<string, unknown>;
+    const path = checkRel(o.path);
+    const type = o.type;
+    if (type !== "file" && type !== "dir" && type !== "symlink") throw new CopyError("PROTOCOL", `${JSON.stringify(path)}: unknown entry type ${JSON.stringify(type)}`);
+    if (seen.has(path)) throw new CopyError("PROTOCOL", `the listing names ${JSON.stringify(path || ".")} twice`);
+    if (out.length === 0 ? path !== "" : path === "") throw new CopyError("PROTOCOL", "a listing starts with the listed path itself, and only there");
+    if (path !== "") {
+      const parent = posix.dirname(path);
+      if (seen.get(parent === "." ? "" : parent) !== "dir") throw new CopyError("PROTOCOL", `the listing names ${JSON.stringify(path)} before its parent directory`);
+    }
+    seen.set(path, type);
+    const e: Entry = { path, type, size: type === "file" ? int(o, "size") : 0, mode: int(o, "mode", 0, 0o7777), mtimeMs: num(o, "mtimeMs", -1e15, 1e15) };
+    if (type === "symlink") e.target = str(o, "target");
+    out.push(e);
   }
   return out;
 }

@@ -2,8 +2,8 @@
  * Whole-tree operations shared by both ends: listing a tree without
  * following links, creating directories and links.
  */
-import { lstatSync, readdirSync, readlinkSync } from "node:fs";
-import { lstat, mkdir, rename, symlink, unlink, utimes, chmod } from "node:fs/promises";
+import { constants, lstatSync, readdirSync, readlinkSync } from "node:fs";
+import { lstat, mkdir, open, rename, symlink, unlink } from "node:fs/promises";
 import { join } from "node:path";
 import { CopyError } from "./paths.js";
 import { tempName } from "./files.js";
@@ -37,6 +37,14 @@ export async function walk(abs: string): Promise<Entry[]> {
   return out;
 }
 
+/** The setuid and setgid bits: a peer's mode keeps them only when the user asked (--keep-setid). */
+export const SETID = 0o6000;
+
+/** A mode from the peer, as this side applies it. */
+export function peerMode(mode: number, keepSetid: boolean): number {
+  return mode & (keepSetid ? 0o7777 : 0o7777 & ~SETID);
+}
+
 /** Creates a directory (or accepts an existing one); a file in the way is ENOTDIR. */
 export async function makeDir(abs: string, mode: number): Promise<void> {
   try {
@@ -48,9 +56,21 @@ export async function makeDir(abs: string, mode: number): Promise<void> {
   }
 }
 
+/**
+ * Sets a directory's mode and mtime through a descriptor of the directory
+ * itself, opened without following a link: a path whose last component is
+ * (or was made) a symlink fails (ELOOP, ENOTDIR) instead of changing
+ * whatever the link points at. (The parent directories were resolved by
+ * the caller and checked to stay inside.)
+ */
 export async function setTimes(abs: string, mode: number, mtimeMs: number): Promise<void> {
-  await chmod(abs, mode & 0o7777);
-  await utimes(abs, mtimeMs / 1000, mtimeMs / 1000);
+  const fh = await open(abs, constants.O_RDONLY | constants.O_DIRECTORY | constants.O_NOFOLLOW | constants.O_NONBLOCK);
+  try {
+    await fh.chmod(mode & 0o7777);
+    await fh.utimes(mtimeMs / 1000, mtimeMs / 1000);
+  } finally {
+    await fh.close();
+  }
 }
 
 /** Creates (or replaces) a symlink with `target`, via a temporary name and rename. */
