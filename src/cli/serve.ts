@@ -144,7 +144,8 @@ class Session {
     for (const { src } of this.sources.values()) await src.close();
     this.sinks.clear();
     this.sources.clear();
-    this.share?.revoke();
+    // The session is over: no opener is left to wait for (and the ring is freed next).
+    void this.share?.revoke({ timeoutMs: 0 });
     ringBytes -= this.counted;
     this.counted = 0;
     try {
