@@ -35,13 +35,13 @@ const COMMANDS: Record<string, Command> = {
   cp: {
     args: "[options] src... dest",
     summary: "copy files and trees to or from an async-rdma serve server (docs/cp.md)",
-    help: async () => (await import("./cp.js")).USAGE.trimEnd(),
+    help: async () => (await import("./copy/cp.js")).USAGE.trimEnd(),
     run: async (a) => void (process.exitCode = await (await import("./copy/command.js")).run("cp", a)),
   },
   serve: {
     args: "[dir] [options]",
     summary: "serve one directory tree to async-rdma cp",
-    help: async () => (await import("./serve.js")).USAGE.trimEnd(),
+    help: async () => (await import("./copy/serve.js")).USAGE.trimEnd(),
     run: async (a) => void (process.exitCode = await (await import("./copy/command.js")).run("serve", a)),
   },
 };

@@ -16,7 +16,7 @@ import { checkLinkTarget, checkRel, resolveInsideSync } from "../../src/cli/copy
 import { checkListing, decodeGet, decodePut, encodeGet, encodePut, smallFiles } from "../../src/cli/copy/protocol.js";
 import { setTimes } from "../../src/cli/copy/tree.js";
 import { chunkStateBytes, directShift, fileDigest, FileSink, StateBudget, tempName } from "../../src/cli/copy/files.js";
-import { parseRemote } from "../../src/cli/cp.js";
+import { parseRemote } from "../../src/cli/copy/cp.js";
 
 describe("cp protocol and receiver rules", () => {
   it("a peer's claimed file size larger than the space free at the destination is refused (ENOSPC) before anything is held or created (issue 19 point 8)", async () => {

@@ -6,8 +6,8 @@ import { CopyError } from "./paths.js";
 
 export async function run(cmd: "cp" | "serve", args: string[]): Promise<number> {
   try {
-    if (cmd === "cp") return await (await import("../cp.js")).cp(args);
-    await (await import("../serve.js")).serve(args);
+    if (cmd === "cp") return await (await import("./cp.js")).cp(args);
+    await (await import("./serve.js")).serve(args);
     return 0;
   } catch (e) {
     const code = (e as { code?: unknown })?.code;

@@ -9,14 +9,14 @@
  */
 import { lstat, realpath } from "node:fs/promises";
 import { dirname, relative } from "node:path";
-import { RpcServer, type RpcHandler } from "../rpc/index.js";
-import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../index.js";
-import { builderFor, DEFAULT_BIND, DEFAULT_PORT, parseIntArg } from "./copy/common.js";
-import { checkLinkTarget, checkRel, CopyError, inside, resolveInside, resolveInsideSync, withPath } from "./copy/paths.js";
-import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
-import { allocRing, chunkLen, FileSink, FileSource, sameSecond, StateBudget } from "./copy/files.js";
-import { makeDir, makeLink, mapLimit, peerMode, setTimes, walk } from "./copy/tree.js";
-import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str, toJson, VERSION, type Result, type SmallResult } from "./copy/protocol.js";
+import { RpcServer, type RpcHandler } from "../../rpc/index.js";
+import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../../index.js";
+import { builderFor, DEFAULT_BIND, DEFAULT_PORT, parseIntArg } from "./common.js";
+import { checkLinkTarget, checkRel, CopyError, inside, resolveInside, resolveInsideSync, withPath } from "./paths.js";
+import { readSmallInto, writeBatch, type BatchFile } from "./batch.js";
+import { allocRing, chunkLen, FileSink, FileSource, sameSecond, StateBudget } from "./files.js";
+import { makeDir, makeLink, mapLimit, peerMode, setTimes, walk } from "./tree.js";
+import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str, toJson, VERSION, type Result, type SmallResult } from "./protocol.js";
 
 export const USAGE = `usage: async-rdma serve [dir] [options]
 Serves the directory tree \`dir\` (default: the current directory) to \`async-rdma cp\`.

@@ -16,15 +16,15 @@
 import { lstat, readdir, realpath, stat } from "node:fs/promises";
 import { realpathSync } from "node:fs";
 import { basename, dirname, join, posix } from "node:path";
-import { RpcClient, RpcError } from "../rpc/index.js";
-import { RdmaError, type LocalMr, type Rdma, type RdmaBuilder, type RemoteMr } from "../index.js";
-import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./copy/common.js";
-import { checkRel, CopyError, resolveInsideSync, withPath } from "./copy/paths.js";
-import { allocRing, chunkCount, chunkLen, FileSink, FileSource, sameSecond } from "./copy/files.js";
-import { readSmallInto, writeBatch, type BatchFile } from "./copy/batch.js";
-import { makeDir, makeLink, mapLimit, MAX_ENTRIES, peerMode, setTimes, walk } from "./copy/tree.js";
-import { checkListing, encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./copy/protocol.js";
-import { Progress, type OutputMode } from "./copy/progress.js";
+import { RpcClient, RpcError } from "../../rpc/index.js";
+import { RdmaError, type LocalMr, type Rdma, type RdmaBuilder, type RemoteMr } from "../../index.js";
+import { builderFor, DEFAULT_PORT, parseIntArg, parseSize } from "./common.js";
+import { checkRel, CopyError, resolveInsideSync, withPath } from "./paths.js";
+import { allocRing, chunkCount, chunkLen, FileSink, FileSource, sameSecond } from "./files.js";
+import { readSmallInto, writeBatch, type BatchFile } from "./batch.js";
+import { makeDir, makeLink, mapLimit, MAX_ENTRIES, peerMode, setTimes, walk } from "./tree.js";
+import { checkListing, encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./protocol.js";
+import { Progress, type OutputMode } from "./progress.js";
 
 /** Measured defaults (docs/performance.md, "cp"). */
 export const DEFAULT_CHUNK = 1024 * 1024;
