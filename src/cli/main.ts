@@ -29,8 +29,8 @@ const COMMANDS: Record<string, Command> = {
   perf: {
     args: "<test> [server-address] [options]",
     summary: "perftest's tests and columns (async-rdma perf --help)",
-    help: async () => (await import("./perf.js")).PERF_USAGE,
-    run: async (a) => (await import("./perf.js")).perf(a),
+    help: async () => (await import("./perf/options.js")).PERF_USAGE,
+    run: async (a) => (await import("./perf/run.js")).perf(a),
   },
   cp: {
     args: "[options] src... dest",
