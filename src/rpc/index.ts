@@ -426,7 +426,7 @@ export class RpcServer {
           let timer: NodeJS.Timeout | undefined;
           await new Promise<void>((r) => {
             wake = r;
-            if (running.size > 0) timer = setTimeout(r, CLOSED_POLL_MS).unref();
+            if (running.size > 0) timer = setTimeout(r, CLOSED_POLL_MS);
           });
           if (timer) clearTimeout(timer);
         }
