@@ -102,7 +102,7 @@ describe(`rpc bounds [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
     try {
       const N = 5000;
       await sendRaw(p.client, callFrames("hold", 1, N));
-      await eventually(() => running === 128, WAIT_MS, "128 handlers to start");
+      await eventually(() => running >= 128, WAIT_MS, "128 handlers to start");
       // The server starts the frames of a message one by one: had it ignored the limit, all
       // 5,000 would have started in the same turn that started these.
       assert.equal(peak, 128, "handlers running at once");
@@ -197,7 +197,8 @@ describe(`rpc bounds [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
     const served = server.serve(p.server);
     const client = new RpcClient(p.client);
     const calls = Array.from({ length: 10 }, () => client.call("wait").catch((e: unknown) => e));
-    await eventually(() => started === 4 && server.stats().waiting === 1, WAIT_MS, "every call slot to be taken");
+    await eventually(() => started >= 4 && server.stats().waiting === 1, WAIT_MS, "every call slot to be taken");
+    assert.equal(started, 4, "handlers started");
     await client.close();
     await served;
     await eventually(() => aborted === 4, WAIT_MS, "the handlers to see the connection end");
