@@ -47,6 +47,8 @@ const SPARE_BUFFERS = 8;
 const DEFAULT_MAX_IN_FLIGHT = 128;
 /** Default of `RpcServerOptions.maxQueuedBytes`: 16 MiB. */
 const DEFAULT_MAX_QUEUED_BYTES = 16 << 20;
+/** Default of `RpcServerOptions.replyTimeoutMs`: as long as a connection's rendezvous deadline. */
+const DEFAULT_REPLY_TIMEOUT_MS = 60_000;
 /** The largest JSON of a handler error's `details` carried to the caller (bytes); larger ones are dropped. */
 const MAX_DETAILS = 16 * 1024;
 /**
@@ -322,6 +324,14 @@ export interface RpcServerOptions {
    * replies of `maxInFlight` calls.
    */
   maxQueuedBytes?: number;
+  /**
+   * While the server waits for room and replies are waiting to be sent,
+   * how long it waits without the client taking any of them (default
+   * 60000 ms; 0: forever). Past it the connection is closed and `serve()`
+   * rejects with TIMEOUT: a client that stopped reading does not keep its
+   * connection and its replies forever.
+   */
+  replyTimeoutMs?: number;
 }
 
 /** One connection being served: what its calls hold. */
@@ -341,6 +351,7 @@ export class RpcServer {
   private readonly handlers: Map<string, RpcHandler>;
   private readonly maxInFlight: number;
   private readonly maxQueuedBytes: number;
+  private readonly replyTimeoutMs: number;
   private readonly served = new Set<Served>();
   /** Peaks over every connection (for tests): calls in flight on one connection, and its reply bytes unsent. */
   private peakInFlight = 0;
@@ -363,6 +374,9 @@ export class RpcServer {
     const q = opts.maxQueuedBytes ?? DEFAULT_MAX_QUEUED_BYTES;
     if (!Number.isSafeInteger(q) || q < 1) throw new RdmaError("INVALID_ARGUMENT", "RpcServer: maxQueuedBytes must be a positive integer");
     this.maxQueuedBytes = q;
+    const t = opts.replyTimeoutMs ?? DEFAULT_REPLY_TIMEOUT_MS;
+    if (!Number.isInteger(t) || t < 0 || t > 2 ** 31) throw new RdmaError("INVALID_ARGUMENT", "RpcServer: replyTimeoutMs must be an integer from 0 to 2^31 ms");
+    this.replyTimeoutMs = t;
   }
 
   /** Answers calls on every connection `listener` accepts until it closes (connections already served go on). */
@@ -389,14 +403,18 @@ export class RpcServer {
   }
 
   /**
-   * Answers calls on `rdma` until the connection closes (resolves) or the
-   * peer breaks the protocol (the connection is closed; rejects PROTOCOL).
+   * Answers calls on `rdma` until the connection closes (resolves), the
+   * peer breaks the protocol (the connection is closed; rejects PROTOCOL)
+   * or leaves its replies untaken past `replyTimeoutMs` (the connection is
+   * closed; rejects TIMEOUT).
    */
   async serve(rdma: Rdma): Promise<void> {
     const running = new Map<number, Running>();
     const peerMax = rdma.peerLimits?.maxMessageSize ?? 2 ** 32 - 1;
     let wake: (() => void) | null = null;
     let ended = false;
+    /** Messages of replies whose send settled: progress, for the reply deadline. */
+    let drains = 0;
     const host: OutboxHost = {
       // A reply that cannot be sent (the client did not take it within its rendezvous deadline):
       // its caller would wait forever, so the connection ends.
@@ -405,6 +423,7 @@ export class RpcServer {
         void rdma.close().catch(() => {});
       },
       drained: () => {
+        drains++;
         if (ended && outbox.unsentFrames === 0) this.served.delete(me);
         const w = wake;
         wake = null;
@@ -416,17 +435,34 @@ export class RpcServer {
     this.served.add(me);
     const maxInFlight = this.maxInFlight;
     const maxQueuedBytes = this.maxQueuedBytes;
+    const replyTimeoutMs = this.replyTimeoutMs;
     const full = (): boolean => running.size + outbox.unsentFrames >= maxInFlight || outbox.unsentBytes >= maxQueuedBytes;
-    /** Waits until a call may start; false when the connection ended meanwhile. */
+    /**
+     * Waits until a call may start; false when the connection ended meanwhile.
+     * Throws TIMEOUT when replies wait and none was taken for replyTimeoutMs.
+     */
     const room = async (): Promise<boolean> => {
       this.waiting++;
+      let seen = drains;
+      let since = performance.now();
       try {
         while (full()) {
           if (rdma.closed) return false;
+          let delay = running.size > 0 ? CLOSED_POLL_MS : -1;
+          if (outbox.unsentFrames > 0 && replyTimeoutMs > 0) {
+            const now = performance.now();
+            if (drains !== seen) {
+              seen = drains;
+              since = now;
+            }
+            const left = since + replyTimeoutMs - now;
+            if (left <= 0) throw new RdmaError("TIMEOUT", `rpc: the client took none of its ${outbox.unsentFrames} waiting replies (${outbox.unsentBytes} bytes) within ${replyTimeoutMs} ms (replyTimeoutMs); connection closed`);
+            delay = delay < 0 ? Math.ceil(left) : Math.min(delay, Math.ceil(left));
+          }
           let timer: NodeJS.Timeout | undefined;
           await new Promise<void>((r) => {
             wake = r;
-            if (running.size > 0) timer = setTimeout(r, CLOSED_POLL_MS);
+            if (delay >= 0) timer = setTimeout(r, delay);
           });
           if (timer) clearTimeout(timer);
         }

@@ -138,7 +138,8 @@ describe(`rpc bounds [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
           return new Uint8Array(REPLY).fill(handled & 0xff);
         },
       },
-      { maxInFlight, maxQueuedBytes },
+      // no reply deadline here: the client is held back for as long as the test looks
+      { maxInFlight, maxQueuedBytes, replyTimeoutMs: 0 },
     );
     const served = server.serve(p.server);
     // The hostile client sends every call and never calls receive(); its sends wait for credits
@@ -175,6 +176,23 @@ describe(`rpc bounds [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
     await Promise.all(sends);
     const after = (await heldMiB()) - before;
     assert.ok(after < 16, `memory after the connection ended: ${after.toFixed(1)} MiB over the start`);
+  });
+
+  it("issue 19 point 7: a client that takes none of its waiting replies within replyTimeoutMs loses its connection (serve() rejects TIMEOUT); everything is freed", async () => {
+    const p = await apiPair();
+    const server = new RpcServer({ big: () => new Uint8Array(64 * 1024) }, { maxInFlight: 8, maxQueuedBytes: 256 * 1024, replyTimeoutMs: 300 });
+    const served = server.serve(p.server);
+    const sends: Promise<unknown>[] = [];
+    for (let i = 0; i < 40; i++) sends.push(sendRaw(p.client, callFrames("big", 1 + i * 50, 50)).catch((e: unknown) => e));
+    try {
+      await assert.rejects(served, (e: unknown) => e instanceof RdmaError && e.code === "TIMEOUT" && /replyTimeoutMs/.test(e.message));
+      await eventually(() => p.server.closed, WAIT_MS, "the server to close the connection");
+      await eventually(() => server.stats().connections === 0, WAIT_MS, "the server to free the connection's replies");
+      assert.equal(server.stats().queuedBytes, 0);
+    } finally {
+      await p.close();
+    }
+    await Promise.all(sends);
   });
 
   it("issue 19 point 7: a connection that ends while every call slot is taken by a handler that never returns ends its serve(); the handlers' signals abort", async () => {
