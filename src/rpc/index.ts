@@ -288,6 +288,14 @@ class Outbox {
   }
 }
 
+/** The reply to call `id`; a reply the caller would refuse (over its maxMessageSize) fails that call only, OUT_OF_RANGE. */
+function okFrame(id: number, v: unknown, peerMax: number): Uint8Array {
+  const p = v instanceof Uint8Array ? v : EMPTY;
+  // checked before the copy
+  if (HDR + p.length > peerMax) return errorFrame(id, new RdmaError("OUT_OF_RANGE", `the reply of ${p.length} bytes exceeds the caller's maxMessageSize (${peerMax})`));
+  return encodeFrame(OK, id, null, p);
+}
+
 function errorFrame(id: number, e: unknown): Uint8Array {
   const code = typeof (e as { code?: unknown })?.code === "string" ? (e as { code: string }).code : "HANDLER_ERROR";
   const message = e instanceof Error ? e.message : String(e);
@@ -523,13 +531,6 @@ export class RpcServer {
             wake = null;
             w?.();
           };
-          const reply = (v: unknown): void => {
-            if (call.aborted) return done(null);
-            const p = v instanceof Uint8Array ? v : EMPTY;
-            // Checked before the copy: a reply the client would refuse fails this call only.
-            if (HDR + p.length > peerMax) done(errorFrame(f.id, new RdmaError("OUT_OF_RANGE", `the reply of ${p.length} bytes exceeds the caller's maxMessageSize (${peerMax})`)));
-            else done(encodeFrame(OK, f.id, null, p));
-          };
           let r;
           try {
             r = h(f.payload, call);
@@ -538,9 +539,12 @@ export class RpcServer {
             continue;
           }
           // A synchronous handler's reply needs no promise turn.
-          if (r instanceof Uint8Array || r === undefined) reply(r);
+          if (r instanceof Uint8Array || r === undefined) done(okFrame(f.id, r, peerMax));
           else
-            Promise.resolve(r).then(reply, (e: unknown) => done(call.aborted ? null : errorFrame(f.id, e)));
+            Promise.resolve(r).then(
+              (v) => done(call.aborted ? null : okFrame(f.id, v, peerMax)),
+              (e: unknown) => done(call.aborted ? null : errorFrame(f.id, e)),
+            );
         }
       }
     } catch (e) {
