@@ -80,6 +80,16 @@ function gate(): { wait: Promise<void>; open(): void } {
 }
 
 describe(`rpc bounds [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
+  it("issue 19 point 7: the server's bounds are checked when it is made", () => {
+    const bad = (opts: Record<string, unknown>): void => assert.throws(() => new RpcServer({}, opts), (e: unknown) => e instanceof RdmaError && e.code === "INVALID_ARGUMENT", JSON.stringify(opts));
+    for (const v of [0, -1, 1.5, Number.NaN, "1"]) {
+      bad({ maxInFlight: v });
+      bad({ maxQueuedBytes: v });
+    }
+    for (const v of [-1, 1.5, 2 ** 32, "1"]) bad({ replyTimeoutMs: v });
+    assert.ok(new RpcServer({}, { maxInFlight: 1, maxQueuedBytes: 1, replyTimeoutMs: 0 }));
+  });
+
   it("issue 19 point 7: maxInFlight holds per call: one message of 5,000 CALL frames runs at most 128 handlers at once (the default), the rest wait", async () => {
     const p = await apiPair();
     let running = 0;
