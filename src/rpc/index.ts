@@ -12,7 +12,14 @@
  *   (e.g. the calls of one Promise.all, the replies of synchronous handlers to
  *   one message) travel in one message.
  * - A handler's error comes back as an `RpcError` with its `code` (the
- *   error's own string `code`, else "HANDLER_ERROR") and message.
+ *   error's own string `code`, else "HANDLER_ERROR"), message and `details`
+ *   (the error's `details` property, when it is JSON of at most 16 KiB).
+ * - A server holds a bounded amount per connection: a call counts against
+ *   `maxInFlight` from the moment it starts until its reply has been sent
+ *   (the send settled), and replies not yet sent count against
+ *   `maxQueuedBytes`. Past either bound the server stops reading the
+ *   connection (the client waits for credits), so a client that does not
+ *   read its replies is held back, not buffered.
  *
  * One RpcClient or RpcServer per connection: each consumes the connection's
  * receive(). Use `newConnection()` for more.
@@ -20,7 +27,8 @@
  * Frame (big-endian), several per message:
  *   0 u8 magic 0x52   1 u8 kind (1 CALL, 2 OK, 3 ERROR, 4 CANCEL)
  *   2 u16 method length   4 u32 call id   8 u32 payload length
- *   12 method (UTF-8, CALL only)   then the payload (ERROR: JSON {code, message})
+ *   12 method (UTF-8, CALL only)   then the payload (ERROR: JSON {code, message},
+ *   and "details" when the handler's error had some)
  */
 import { RdmaError, type LocalMr, type Rdma, type RdmaListener } from "../index.js";
 
@@ -30,22 +38,44 @@ const OK = 2;
 const ERROR = 3;
 const CANCEL = 4;
 const HDR = 12;
-/** Frames are gathered into one message up to this size; a larger frame travels alone. */
+/** Frames are gathered into one message up to this size (or the peer's maxMessageSize, if smaller); a larger frame travels alone. */
 const BATCH_BYTES = 4096;
 const MAX_METHOD = 1024;
 /** Batch buffers kept for reuse per connection (each BATCH_BYTES, registered). */
 const SPARE_BUFFERS = 8;
+/** Default of `RpcServerOptions.maxInFlight`. */
+const DEFAULT_MAX_IN_FLIGHT = 128;
+/** Default of `RpcServerOptions.maxQueuedBytes`: 16 MiB. */
+const DEFAULT_MAX_QUEUED_BYTES = 16 << 20;
+/** Default of `RpcServerOptions.replyTimeoutMs`: as long as a connection's rendezvous deadline. */
+const DEFAULT_REPLY_TIMEOUT_MS = 60_000;
+/** The largest JSON of a handler error's `details` carried to the caller (bytes); larger ones are dropped. */
+const MAX_DETAILS = 16 * 1024;
+/**
+ * While a server waits for room (calls running, replies unsent) it reads
+ * nothing, so nothing tells it the connection ended: it looks this often.
+ * (Replies waiting to be sent settle at once when the connection ends; only
+ * handlers that never return need this.)
+ */
+const CLOSED_POLL_MS = 1000;
 
 /** An error a handler threw (or the server's answer to an unknown method), carried back to the caller. */
 export class RpcError extends Error {
   override readonly name = "RpcError";
-  /** `code`: the handler error's code; `message`: its message; `method`: the method called. */
+  /** `code`: the handler error's code; `message`: its message; `method`: the method called; `details`: its `details`. */
   constructor(
     /** The handler error's `code` ("HANDLER_ERROR" when it had none; "NOT_FOUND" for an unknown method). */
     readonly code: string,
     message: string,
     /** The method called. */
     readonly method: string,
+    /**
+     * The handler error's `details` property, as JSON carries it (parsed
+     * back: objects, arrays, strings, numbers, booleans, null); undefined
+     * when it had none, or when its JSON was over 16 KiB or could not be
+     * made (a cycle, a BigInt).
+     */
+    readonly details?: unknown,
   ) {
     super(message);
   }
@@ -60,7 +90,11 @@ export interface RpcContext {
   rdma: Rdma;
 }
 
-/** A method's implementation: the call's payload in, the reply's bytes out (nothing: an empty reply). A thrown error goes back to the caller as an RpcError. */
+/**
+ * A method's implementation: the call's payload in, the reply's bytes out
+ * (nothing: an empty reply). A thrown error goes back to the caller as an
+ * RpcError with the error's `code`, `message` and `details`.
+ */
 export type RpcHandler = (payload: Uint8Array, ctx: RpcContext) => Uint8Array | void | Promise<Uint8Array | void>;
 
 interface Frame {
@@ -72,9 +106,10 @@ interface Frame {
 
 const enc = new TextEncoder();
 const dec = new TextDecoder("utf-8", { fatal: true });
+const EMPTY = new Uint8Array(0);
 
 function encodeFrame(kind: number, id: number, method: Uint8Array | null, payload: Uint8Array): Uint8Array {
-  const m = method ?? new Uint8Array(0);
+  const m = method ?? EMPTY;
   const out = new Uint8Array(HDR + m.length + payload.length);
   const v = new DataView(out.buffer);
   v.setUint8(0, MAGIC);
@@ -119,22 +154,56 @@ function decodeFrames(buf: Uint8Array): Frame[] {
   return out;
 }
 
-/** Frames queued before the next microtask checkpoint go out together. */
+/** The ids of the CALL frames in `b` (frames this side encoded, so well-formed): the calls of a message whose send failed. */
+function callIds(b: Uint8Array): number[] {
+  const ids: number[] = [];
+  const v = new DataView(b.buffer, b.byteOffset, b.byteLength);
+  for (let off = 0; off + HDR <= b.length; off += HDR + v.getUint16(off + 2) + v.getUint32(off + 8)) {
+    if (v.getUint8(off + 1) === CALL) ids.push(v.getUint32(off + 4));
+  }
+  return ids;
+}
+
+/** What an Outbox reports to its owner. */
+interface OutboxHost {
+  /** A message could not be sent (the connection lives on, unless `e` says it closed); `ids`: the CALL frames it carried. */
+  failed(e: unknown, ids: number[]): void;
+  /** Frames left the box (their send settled, or they were dropped): room may have come back. */
+  drained(): void;
+}
+
+/**
+ * Frames queued before the next microtask checkpoint go out together. A
+ * frame counts (`unsentFrames`, `unsentBytes`) from push until the send of
+ * its message settles: what the box holds is what has not reached the peer.
+ */
 class Outbox {
   private frames: Uint8Array[] = [];
   private scheduled = false;
+  /** Set by the owner (or a closing connection): later frames are dropped. */
   failure: unknown = null;
+  /** Frames pushed whose message's send has not settled. */
+  unsentFrames = 0;
+  /** Their bytes. */
+  unsentBytes = 0;
   /** Registered batch buffers whose send completed: reused, so a batch costs no allocation or registration. */
   private readonly spare: LocalMr[] = [];
+  private readonly batchMax: number;
 
   constructor(
     private readonly rdma: Rdma,
-    private readonly onError: (e: unknown) => void,
-  ) {}
+    private readonly host: OutboxHost,
+    /** The peer's maxMessageSize: a batch never exceeds it (a single larger frame is the owner's to refuse). */
+    peerMax: number,
+  ) {
+    this.batchMax = Math.min(BATCH_BYTES, peerMax);
+  }
 
   push(frame: Uint8Array): void {
     if (this.failure) return;
     this.frames.push(frame);
+    this.unsentFrames++;
+    this.unsentBytes += frame.length;
     if (!this.scheduled) {
       this.scheduled = true;
       queueMicrotask(() => this.flush());
@@ -146,6 +215,12 @@ class Outbox {
     for (const m of this.spare.splice(0)) m[Symbol.dispose]();
   }
 
+  private settled(count: number, bytes: number): void {
+    this.unsentFrames -= count;
+    this.unsentBytes -= bytes;
+    this.host.drained();
+  }
+
   private flush(): void {
     this.scheduled = false;
     const frames = this.frames;
@@ -153,16 +228,23 @@ class Outbox {
     let batch: Uint8Array[] = [];
     let bytes = 0;
     const out = (list: Uint8Array[], n: number): void => {
-      if (list.length === 0 || this.failure) return;
+      const count = list.length;
+      if (count === 0) return;
+      if (this.failure) return this.settled(count, n);
       let buf: LocalMr | undefined;
       try {
         buf = n <= BATCH_BYTES ? this.spare.pop() : undefined;
         buf ??= this.rdma.allocLocalMr(Math.max(n, BATCH_BYTES));
       } catch (e) {
-        this.failure = e;
+        this.settled(count, n);
         // A closing connection: its receive loop ends every call with CONNECTION_CLOSED.
-        if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") return;
-        return this.onError(e);
+        if ((e instanceof RdmaError && e.code === "CONNECTION_CLOSED") || this.rdma.closed) {
+          this.failure ??= e;
+          return;
+        }
+        const ids: number[] = [];
+        for (const f of list) if (f[1] === CALL) ids.push(new DataView(f.buffer, f.byteOffset, HDR).getUint32(4));
+        return this.host.failed(e, ids);
       }
       const whole = buf;
       const b = whole.bytes;
@@ -175,18 +257,26 @@ class Outbox {
         () => {
           if (whole.length === BATCH_BYTES && !this.failure && this.spare.length < SPARE_BUFFERS) this.spare.push(whole);
           else whole[Symbol.dispose]();
+          this.settled(count, n);
         },
         (e: unknown) => {
-          whole[Symbol.dispose]();
-          if (!this.failure && !(e instanceof RdmaError && e.code === "CONNECTION_CLOSED")) {
-            this.failure = e;
-            this.onError(e);
+          let ids: number[] = [];
+          if (!this.rdma.closed) {
+            try {
+              ids = callIds(whole.bytes.subarray(0, o));
+            } catch {
+              /* the memory went with the connection */
+            }
           }
+          whole[Symbol.dispose]();
+          this.settled(count, n);
+          if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") return;
+          this.host.failed(e, ids);
         },
       );
     };
     for (const f of frames) {
-      if (bytes > 0 && bytes + f.length > BATCH_BYTES) {
+      if (bytes > 0 && bytes + f.length > this.batchMax) {
         out(batch, bytes);
         batch = [];
         bytes = 0;
@@ -198,16 +288,64 @@ class Outbox {
   }
 }
 
+/** The reply to call `id`; a reply the caller would refuse (over its maxMessageSize) fails that call only, OUT_OF_RANGE. */
+function okFrame(id: number, v: unknown, peerMax: number): Uint8Array {
+  const p = v instanceof Uint8Array ? v : EMPTY;
+  // checked before the copy
+  if (HDR + p.length > peerMax) return errorFrame(id, new RdmaError("OUT_OF_RANGE", `the reply of ${p.length} bytes exceeds the caller's maxMessageSize (${peerMax})`));
+  return encodeFrame(OK, id, null, p);
+}
+
 function errorFrame(id: number, e: unknown): Uint8Array {
   const code = typeof (e as { code?: unknown })?.code === "string" ? (e as { code: string }).code : "HANDLER_ERROR";
   const message = e instanceof Error ? e.message : String(e);
-  return encodeFrame(ERROR, id, null, enc.encode(JSON.stringify({ code: code.slice(0, 100), message: message.slice(0, 4000) })));
+  let json = JSON.stringify({ code: code.slice(0, 100), message: message.slice(0, 4000) });
+  const details = e !== null && typeof e === "object" ? (e as { details?: unknown }).details : undefined;
+  if (details !== undefined) {
+    // The error is the server's own (its handler threw it): stringify it whole, then bound what goes out.
+    let d: string | undefined;
+    try {
+      d = JSON.stringify(details);
+    } catch {
+      /* a cycle, a BigInt: no details */
+    }
+    if (d !== undefined && d.length <= MAX_DETAILS && Buffer.byteLength(d) <= MAX_DETAILS) json = `${json.slice(0, -1)},"details":${d}}`;
+  }
+  return encodeFrame(ERROR, id, null, enc.encode(json));
 }
 
 /** Options of `new RpcServer(handlers, opts)`. */
 export interface RpcServerOptions {
-  /** Calls a connection may have running at once (default 128); past it the server stops reading and the client waits for credits. */
+  /**
+   * Calls of one connection counted at once (default 128): a call counts
+   * from the moment its handler starts until its reply has been sent (or,
+   * cancelled, until its handler returned). Past it the server reads no
+   * more of the connection's messages, and the client waits for credits.
+   */
   maxInFlight?: number;
+  /**
+   * Bytes of replies of one connection waiting to be sent (default 16 MiB).
+   * Past it the server reads no more of the connection's messages until
+   * replies have left, so a client that does not read its replies is held
+   * back instead of buffered. Calls already running still reply (their
+   * replies wait too): what a connection holds is at most this plus the
+   * replies of `maxInFlight` calls.
+   */
+  maxQueuedBytes?: number;
+  /**
+   * While the server waits for room and replies are waiting to be sent,
+   * how long it waits without the client taking any of them (default
+   * 60000 ms; 0: forever). Past it the connection is closed and `serve()`
+   * rejects with TIMEOUT: a client that stopped reading does not keep its
+   * connection and its replies forever.
+   */
+  replyTimeoutMs?: number;
+}
+
+/** One connection being served: what its calls hold. */
+interface Served {
+  running: Map<number, Running>;
+  outbox: Outbox;
 }
 
 /**
@@ -220,6 +358,14 @@ export interface RpcServerOptions {
 export class RpcServer {
   private readonly handlers: Map<string, RpcHandler>;
   private readonly maxInFlight: number;
+  private readonly maxQueuedBytes: number;
+  private readonly replyTimeoutMs: number;
+  private readonly served = new Set<Served>();
+  /** Peaks over every connection (for tests): calls in flight on one connection, and its reply bytes unsent. */
+  private peakInFlight = 0;
+  private peakQueuedBytes = 0;
+  /** Connections whose serve() waits for room now. */
+  private waiting = 0;
 
   /** `handlers`: method name → handler. */
   constructor(handlers: Record<string, RpcHandler>, opts: RpcServerOptions = {}) {
@@ -230,9 +376,15 @@ export class RpcServer {
       if (enc.encode(k).length > MAX_METHOD) throw new RdmaError("INVALID_ARGUMENT", `RpcServer: method name ${JSON.stringify(k.slice(0, 40))}… is longer than ${MAX_METHOD} bytes`);
       this.handlers.set(k, h);
     }
-    const m = opts.maxInFlight ?? 128;
+    const m = opts.maxInFlight ?? DEFAULT_MAX_IN_FLIGHT;
     if (!Number.isInteger(m) || m < 1) throw new RdmaError("INVALID_ARGUMENT", "RpcServer: maxInFlight must be a positive integer");
     this.maxInFlight = m;
+    const q = opts.maxQueuedBytes ?? DEFAULT_MAX_QUEUED_BYTES;
+    if (!Number.isSafeInteger(q) || q < 1) throw new RdmaError("INVALID_ARGUMENT", "RpcServer: maxQueuedBytes must be a positive integer");
+    this.maxQueuedBytes = q;
+    const t = opts.replyTimeoutMs ?? DEFAULT_REPLY_TIMEOUT_MS;
+    if (!Number.isInteger(t) || t < 0 || t > 2 ** 31) throw new RdmaError("INVALID_ARGUMENT", "RpcServer: replyTimeoutMs must be an integer from 0 to 2^31 ms");
+    this.replyTimeoutMs = t;
   }
 
   /** Answers calls on every connection `listener` accepts until it closes (connections already served go on). */
@@ -241,16 +393,102 @@ export class RpcServer {
   }
 
   /**
-   * Answers calls on `rdma` until the connection closes (resolves) or the
-   * peer breaks the protocol (the connection is closed; rejects PROTOCOL).
+   * @internal What the server holds now, over every connection it serves:
+   * handlers running, replies not yet sent and their bytes, connections
+   * waiting for room; and the peaks of one connection's calls in flight and
+   * reply bytes unsent since the server was made.
+   */
+  stats(): { connections: number; running: number; unsentReplies: number; queuedBytes: number; waiting: number; peakInFlight: number; peakQueuedBytes: number } {
+    let running = 0;
+    let unsentReplies = 0;
+    let queuedBytes = 0;
+    for (const s of this.served) {
+      running += s.running.size;
+      unsentReplies += s.outbox.unsentFrames;
+      queuedBytes += s.outbox.unsentBytes;
+    }
+    return { connections: this.served.size, running, unsentReplies, queuedBytes, waiting: this.waiting, peakInFlight: this.peakInFlight, peakQueuedBytes: this.peakQueuedBytes };
+  }
+
+  /**
+   * Answers calls on `rdma` until the connection closes (resolves), the
+   * peer breaks the protocol (the connection is closed; rejects PROTOCOL)
+   * or leaves its replies untaken past `replyTimeoutMs` (the connection is
+   * closed; rejects TIMEOUT).
    */
   async serve(rdma: Rdma): Promise<void> {
     const running = new Map<number, Running>();
+    const peerMax = rdma.peerLimits?.maxMessageSize ?? 2 ** 32 - 1;
     let wake: (() => void) | null = null;
-    const outbox = new Outbox(rdma, () => void rdma.close().catch(() => {}));
+    let ended = false;
+    /** Messages of replies whose send settled: progress, for the reply deadline. */
+    let drains = 0;
+    const host: OutboxHost = {
+      // A reply that cannot be sent (the client did not take it within its rendezvous deadline):
+      // its caller would wait forever, so the connection ends.
+      failed: (e) => {
+        outbox.failure ??= e;
+        void rdma.close().catch(() => {});
+      },
+      drained: () => {
+        drains++;
+        if (ended && outbox.unsentFrames === 0) this.served.delete(me);
+        const w = wake;
+        wake = null;
+        w?.();
+      },
+    };
+    const outbox = new Outbox(rdma, host, peerMax);
+    const me: Served = { running, outbox };
+    this.served.add(me);
+    const maxInFlight = this.maxInFlight;
+    const maxQueuedBytes = this.maxQueuedBytes;
+    const replyTimeoutMs = this.replyTimeoutMs;
+    const full = (): boolean => running.size + outbox.unsentFrames >= maxInFlight || outbox.unsentBytes >= maxQueuedBytes;
+    /**
+     * Waits until a call may start; false when the connection ended meanwhile.
+     * Throws TIMEOUT when replies wait and none was taken for replyTimeoutMs.
+     */
+    const room = async (): Promise<boolean> => {
+      this.waiting++;
+      let seen = drains;
+      let since = performance.now();
+      try {
+        while (full()) {
+          if (rdma.closed) return false;
+          let delay = running.size > 0 ? CLOSED_POLL_MS : -1;
+          if (outbox.unsentFrames > 0 && replyTimeoutMs > 0) {
+            const now = performance.now();
+            if (drains !== seen) {
+              seen = drains;
+              since = now;
+            }
+            const left = since + replyTimeoutMs - now;
+            if (left <= 0) throw new RdmaError("TIMEOUT", `rpc: the client took none of its ${outbox.unsentFrames} waiting replies (${outbox.unsentBytes} bytes) within ${replyTimeoutMs} ms (replyTimeoutMs); connection closed`);
+            delay = delay < 0 ? Math.ceil(left) : Math.min(delay, Math.ceil(left));
+          }
+          let timer: NodeJS.Timeout | undefined;
+          await new Promise<void>((r) => {
+            wake = r;
+            if (delay >= 0) timer = setTimeout(r, delay);
+          });
+          if (timer) clearTimeout(timer);
+        }
+        return !rdma.closed;
+      } finally {
+        this.waiting--;
+      }
+    };
+    /** A reply (or error) for call `id` is queued: it counts until its send settles. */
+    const queue = (frame: Uint8Array): void => {
+      outbox.push(frame);
+      const n = running.size + outbox.unsentFrames;
+      if (n > this.peakInFlight) this.peakInFlight = n;
+      if (outbox.unsentBytes > this.peakQueuedBytes) this.peakQueuedBytes = outbox.unsentBytes;
+    };
     try {
       for (;;) {
-        while (running.size >= this.maxInFlight) await new Promise<void>((r) => (wake = r));
+        if (full() && !(await room())) return;
         let msg;
         try {
           msg = await rdma.receive();
@@ -274,18 +512,21 @@ export class RpcServer {
             continue;
           }
           if (f.kind !== CALL) throw new RdmaError("PROTOCOL", `rpc: a client sent a frame of kind ${f.kind}`);
+          // The limit holds per call: the rest of this message waits (and nothing more is read).
+          if (full() && !(await room())) return;
           if (running.has(f.id)) throw new RdmaError("PROTOCOL", `rpc: call id ${f.id} is already running`);
           const h = this.handlers.get(f.method);
           if (!h) {
-            outbox.push(errorFrame(f.id, Object.assign(new Error(`no such method: ${JSON.stringify(f.method)}`), { code: "NOT_FOUND" })));
+            queue(errorFrame(f.id, Object.assign(new Error(`no such method: ${JSON.stringify(f.method)}`), { code: "NOT_FOUND" })));
             continue;
           }
           const call = new Running(f.method, rdma);
           running.set(f.id, call);
-          const done = (frame: Uint8Array): void => {
+          if (running.size + outbox.unsentFrames > this.peakInFlight) this.peakInFlight = running.size + outbox.unsentFrames;
+          const done = (frame: Uint8Array | null): void => {
             running.delete(f.id);
             // a cancelled call gets no reply: the caller has forgotten it
-            if (!call.aborted) outbox.push(frame);
+            if (!call.aborted && frame !== null) queue(frame);
             const w = wake;
             wake = null;
             w?.();
@@ -298,11 +539,11 @@ export class RpcServer {
             continue;
           }
           // A synchronous handler's reply needs no promise turn.
-          if (r instanceof Uint8Array || r === undefined) done(encodeFrame(OK, f.id, null, r ?? new Uint8Array(0)));
+          if (r instanceof Uint8Array || r === undefined) done(okFrame(f.id, r, peerMax));
           else
             Promise.resolve(r).then(
-              (v) => done(encodeFrame(OK, f.id, null, v instanceof Uint8Array ? v : new Uint8Array(0))),
-              (e: unknown) => done(errorFrame(f.id, e)),
+              (v) => done(call.aborted ? null : okFrame(f.id, v, peerMax)),
+              (e: unknown) => done(call.aborted ? null : errorFrame(f.id, e)),
             );
         }
       }
@@ -311,11 +552,14 @@ export class RpcServer {
       throw e;
     } finally {
       for (const c of running.values()) c.abort(new RdmaError("CONNECTION_CLOSED", "the connection ended"));
+      ended = true;
+      outbox.failure ??= new RdmaError("CONNECTION_CLOSED", "the connection ended");
       outbox.close();
+      // Replies still being sent settle when the connection's teardown rejects them.
+      if (outbox.unsentFrames === 0) this.served.delete(me);
     }
   }
 }
-
 /** A call being handled: its context, with the AbortSignal made only if the handler asks for it. */
 class Running implements RpcContext {
   private ac: AbortController | null = null;
@@ -364,13 +608,32 @@ export class RpcClient {
   private failure: unknown = null;
   private readonly outbox: Outbox;
   private readonly loop: Promise<void>;
+  /** The server's maxMessageSize: a larger call is refused before it is queued. */
+  private readonly peerMax: number;
 
   /** A client on `rdma` (it consumes the connection's receive()); `defaults.timeoutMs` applies to calls that give none. */
   constructor(
     readonly rdma: Rdma,
     private readonly defaults: { timeoutMs?: number } = {},
   ) {
-    this.outbox = new Outbox(rdma, (e) => this.fail(e));
+    this.peerMax = rdma.peerLimits?.maxMessageSize ?? 2 ** 32 - 1;
+    this.outbox = new Outbox(
+      rdma,
+      {
+        // A message that could not be sent fails its own calls only (the connection lives on;
+        // if it closed, the receive loop ends every call).
+        failed: (e, ids) => {
+          for (const id of ids) {
+            const p = this.pending.get(id);
+            if (!p) continue;
+            this.pending.delete(id);
+            p.reject(e);
+          }
+        },
+        drained: () => {},
+      },
+      this.peerMax,
+    );
     this.loop = this.receiveLoop();
   }
 
@@ -409,14 +672,16 @@ export class RpcClient {
         else {
           let code = "HANDLER_ERROR";
           let message = "the handler failed";
+          let details: unknown;
           try {
-            const j = JSON.parse(dec.decode(f.payload)) as { code?: unknown; message?: unknown };
+            const j = JSON.parse(dec.decode(f.payload)) as { code?: unknown; message?: unknown; details?: unknown };
             if (typeof j.code === "string") code = j.code;
             if (typeof j.message === "string") message = j.message;
+            details = j.details;
           } catch {
             /* keep the defaults */
           }
-          p.reject(new RpcError(code, `${p.method}: ${message}`, p.method));
+          p.reject(new RpcError(code, `${p.method}: ${message}`, p.method, details));
         }
       }
     }
@@ -429,6 +694,8 @@ export class RpcClient {
     if (!(payload instanceof Uint8Array)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "call: payload must be a Uint8Array"));
     const m = this.methodBytes(method);
     if (m.length > MAX_METHOD) return Promise.reject(new RdmaError("INVALID_ARGUMENT", `call: method name longer than ${MAX_METHOD} bytes`));
+    // Refused here, this call only: queued, it would fail the send of the message it shares.
+    if (HDR + m.length + payload.length > this.peerMax) return Promise.reject(new RdmaError("OUT_OF_RANGE", `call: a ${payload.length}-byte payload exceeds the server's maxMessageSize (${this.peerMax} bytes per call, with ${HDR + m.length} bytes of header and method name)`));
     const { signal } = opts;
     if (signal !== undefined && !(signal instanceof AbortSignal)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "signal must be an AbortSignal"));
     if (signal?.aborted) return Promise.reject(new RdmaError("ABORTED", `${method} aborted`));
