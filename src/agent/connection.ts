@@ -701,11 +701,22 @@ export class Connection implements MemoryHost {
         timer: null,
       };
       this.rndvOut.set(token, entry);
+      const op = this.newOp("msg");
+      // While the announcement waits in the queue (for credits) an abort or the deadline removes
+      // it: nothing reached the wire, the peer knows nothing to cancel. Once posted, they cancel
+      // the rendezvous with the peer.
+      const withdraw = (reason: RdmaError): void => {
+        if (op.posted) return this.cancelRendezvous(token, reason);
+        const mine: Pending[] = [];
+        for (let i = this.dataQ.length - 1; i >= 0; i--) if (this.dataQ[i]!.op === op) mine.push(...this.dataQ.splice(i, 1));
+        op.then = null;
+        this.dropQueued(op, mine, null);
+        this.rndvOut.get(token)?.reject(reason);
+      };
       if (this.opts.rendezvousTimeoutMs > 0) {
-        entry.timer = setTimeout(() => this.cancelRendezvous(token, new RdmaError("TIMEOUT", `send: the peer did not take the ${len}-byte message within ${this.opts.rendezvousTimeoutMs} ms (rendezvousTimeoutMs)`)), this.opts.rendezvousTimeoutMs);
+        entry.timer = setTimeout(() => withdraw(new RdmaError("TIMEOUT", `send: the peer did not take the ${len}-byte message within ${this.opts.rendezvousTimeoutMs} ms (rendezvousTimeoutMs)`)), this.opts.rendezvousTimeoutMs);
         entry.timer.unref();
       }
-      const op = this.newOp("msg");
       op.then = (ok) => {
         if (!ok) this.rndvOut.get(token)?.reject(this.failure ?? new RdmaError("CONNECTION_CLOSED", "send failed"));
       };
@@ -713,18 +724,7 @@ export class Connection implements MemoryHost {
       const a = hdr.alloc;
       const n = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.RNDV, flags: 0, credits: 0, imm: imm ?? 0, token, a: len, b: imm === undefined ? 0 : 1, addr, rkey: mr.rkey, id: 0 });
       op.hdr = hdr;
-      // While the announcement waits in the queue an abort removes it (nothing reached the
-      // wire); once posted, an abort cancels the rendezvous with the peer.
-      if (signal) {
-        unwatch = this.aborts.add(signal, () => {
-          if (op.posted) return this.cancelRendezvous(token, abortError(signal));
-          const mine: Pending[] = [];
-          for (let i = this.dataQ.length - 1; i >= 0; i--) if (this.dataQ[i]!.op === op) mine.push(...this.dataQ.splice(i, 1));
-          op.then = null;
-          this.dropQueued(op, mine, null);
-          this.rndvOut.get(token)?.reject(abortError(signal));
-        });
-      }
+      if (signal) unwatch = this.aborts.add(signal, () => withdraw(abortError(signal)));
       this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: n, lkey: a.mr.lkey }] }, op, credit: 2, hdr, onPost: copyIn });
     });
   }

@@ -101,6 +101,29 @@ describe(`delivery across close [${PROVIDER}, ${CM}]`, { timeout: 300_000 }, () 
     }
   });
 
+  it("a rendezvous send still waiting for credits ends at its deadline with TIMEOUT, and the connection lives", async () => {
+    const p = await apiPair({ server: (b) => b.setRecvDepth(8), client: (b) => b.setRendezvousTimeout(1000) });
+    try {
+      const { client, server } = p;
+      using small = client.allocLocalMr(8);
+      // The server reads nothing: its receive buffers fill and the client runs out of credits.
+      const eager: Promise<void>[] = [];
+      for (let i = 0; i < 24; i++) eager.push(client.send(small));
+      await eventually(() => client.stats().credits < 5 && client.stats().sqOutstanding === 0, 60_000, "the client to run out of credits");
+      using big = client.allocLocalMr(64 * 1024);
+      // The announcement waits behind the eager sends for credits the server never returns.
+      await assert.rejects(client.send(big), code("TIMEOUT"));
+      assert.equal(client.closed, false);
+      // Reading frees credits: the eager sends go, and the connection still carries messages.
+      for (let i = 0; i < 24; i++) (await server.receive()).dispose();
+      await Promise.all(eager);
+      await client.send(small);
+      (await server.receive()).dispose();
+    } finally {
+      await p.close();
+    }
+  });
+
   it("issue 19 point 13: memory of a closed connection is disposed, and operations on it reject with CONNECTION_CLOSED", async () => {
     const p = await apiPair();
     try {
