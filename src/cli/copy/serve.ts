@@ -516,7 +516,10 @@ export async function serve(args: string[]): Promise<void> {
   for await (const rdma of listener) {
     const session = new Session(rdma, { root, readOnly, keepSetid });
     sessions.add(session);
-    void new RpcServer(handlers(session), { maxInFlight: 256 })
+    // A copy keeps at most its depth (≤ MAX_DEPTH) of chunk calls and a few file calls in flight;
+    // more calls wait (back-pressure). The bound also caps what queued replies (a large `list`)
+    // can pin per connection: maxQueuedBytes + maxInFlight replies.
+    void new RpcServer(handlers(session), { maxInFlight: MAX_DEPTH + 32 })
       .serve(rdma)
       .catch((e: unknown) => console.error(`async-rdma serve: a connection from ${rdma.peer.address} failed: ${(e as Error).message}`))
       .finally(() => session.end());
