@@ -26,7 +26,7 @@ import {
   type SendWr,
 } from "../transport/types.js";
 import type { MemoryRegion } from "../transport/types.js";
-import { LocalMemory, LocalMr, type RemoteMr } from "../memory/mr.js";
+import { LocalMemory, LocalMr, type RemoteLease, type RemoteMr } from "../memory/mr.js";
 import type { Allocation, MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
 import { AbortWatch, AsyncQueue, abortError } from "./queue.js";
@@ -145,6 +145,18 @@ interface Pending {
    * read, which may wait for this READ.
    */
   internal?: boolean;
+  /**
+   * A control message that must not overtake the user's operations queued
+   * before it (the acknowledgement of a revocation): it goes in the data
+   * lane, in order, with a control message's credit need.
+   */
+  ordered?: boolean;
+  /**
+   * The remote region a one-sided operation targets: if its owner revoked it
+   * while the operation still waited in the queue, the operation is dropped
+   * locally (REMOTE_ACCESS) instead of reaching memory that may be gone.
+   */
+  lease?: RemoteLease | undefined;
   /** Runs when the work request is taken for posting (a rendezvous copies into bounce memory then). */
   onPost?: () => void;
   /** control buffer whose header gets the piggybacked credit count */
@@ -166,6 +178,11 @@ interface RndvOut {
   /** Why it was cancelled (abort or deadline); the peer's RNDV_DONE decides the outcome. */
   cancelReason: RdmaError | null;
   timer: NodeJS.Timeout | null;
+}
+
+/** Credits the head of the data lane needs: a data message, an ordered control message, or one-sided work (none). */
+function dataNeed(p: Pending): number {
+  return p.credit === 2 ? NEED.data : p.credit === 1 ? NEED.ctrl : 0;
 }
 
 function codeOfStatus(s: number): RdmaErrorCode {
@@ -443,14 +460,19 @@ export class Connection implements MemoryHost {
   }
 
   /** Encodes a control message into a recycled small buffer and queues its SEND. */
-  sendCtrl(m: CtrlMsg, op: Op | null = null, credit = 1): void {
+  sendCtrl(m: CtrlMsg, op: Op | null = null, credit = 1, ordered = false): void {
     const mem = this.takeHdr();
     const full: Msg = { flags: 0, credits: 0, imm: 0, token: 0, a: 0, b: 0, addr: 0, rkey: 0, id: 0, ...m };
     const a = mem.alloc;
     const len = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), full);
     const o = op ?? this.newOp("msg");
     o.hdr = mem;
-    this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: len, lkey: a.mr.lkey }] }, op: o, credit, hdr: mem });
+    this.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: len, lkey: a.mr.lkey }] }, op: o, credit, hdr: mem, ordered });
+  }
+
+  /** MemoryHost: a control message posted after every operation queued before it. */
+  sendCtrlOrdered(m: CtrlMsg): void {
+    this.sendCtrl(m, null, 1, true);
   }
 
   /** MemoryHost: a control message whose promise settles when its SEND completes. */
@@ -468,7 +490,7 @@ export class Connection implements MemoryHost {
     if (this.failure) return this.dropQueued(p.op, [p], this.failure);
     if (p.internal) this.rdQ.push(p);
     else if (p.credit === 3) this.creditQ.push(p);
-    else if (p.credit === 1) this.ctrlQ.push(p);
+    else if (p.credit === 1 && !p.ordered) this.ctrlQ.push(p);
     else this.dataQ.push(p);
     if (!this.flushScheduled) {
       this.flushScheduled = true;
@@ -485,6 +507,10 @@ export class Connection implements MemoryHost {
     const take = (q: Pending[], min: (p: Pending) => number): void => {
       while (q.length > 0 && room > 0) {
         const p = q[0]!;
+        if (p.lease?.revoked && !p.op.posted) {
+          this.dropRevoked(q, p.op);
+          continue;
+        }
         const need = min(p);
         if (!this.cr.canSend(need)) break;
         q.shift();
@@ -508,7 +534,7 @@ export class Connection implements MemoryHost {
     take(this.creditQ, () => NEED.credit);
     take(this.rdQ, () => 0);
     take(this.ctrlQ, () => NEED.ctrl);
-    take(this.dataQ, (p) => (p.credit === 2 ? NEED.data : 0));
+    take(this.dataQ, dataNeed);
     if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
     if (batch.length === 0) return;
     // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
@@ -530,10 +556,17 @@ export class Connection implements MemoryHost {
     this.poller.afterPost(batch.length, this.sqOutstanding);
   }
 
+  /** Drops a queued one-sided operation (all its parts, at the head of `q`) whose remote region was revoked meanwhile. */
+  private dropRevoked(q: Pending[], op: Op): void {
+    let n = 0;
+    while (n < q.length && q[n]!.op === op) n++;
+    this.dropQueued(op, q.splice(0, n), new RdmaError("REMOTE_ACCESS", "the owner revoked this shared region while the operation waited to be posted; nothing reached it"));
+  }
+
   /** Sends a CREDIT message when the credit rule (credits.ts) says nothing queued will carry the credits soon. */
   private maybeSendCredits(): void {
     const d = this.dataQ;
-    if (this.cr.shouldSendCredits({ credit: this.creditQ.length > 0, ctrl: this.ctrlQ.length > 0, data: d.length > 0, dataHeadNeedsCredit: d.length > 0 && d[0]!.credit === 2 })) this.sendCredits();
+    if (this.cr.shouldSendCredits({ credit: this.creditQ.length > 0, ctrl: this.ctrlQ.length > 0, data: d.length > 0, dataHeadNeed: d.length > 0 ? dataNeed(d[0]!) : 0 })) this.sendCredits();
   }
 
   /** CREDIT messages sent (stats: a quiet connection sends none). */
@@ -782,7 +815,7 @@ export class Connection implements MemoryHost {
    * (one op, settled when the last completes; a WRITE_WITH_IMM carries its
    * immediate on the last one, which RC orders after the others).
    */
-  private postTransfer(op: Op, opcode: (typeof WrOpcode)[keyof typeof WrOpcode], lmr: LocalMr, remoteAddr: number, rkey: number, imm: number | undefined, credit: number, internal = false): void {
+  private postTransfer(op: Op, opcode: (typeof WrOpcode)[keyof typeof WrOpcode], lmr: LocalMr, remoteAddr: number, rkey: number, imm: number | undefined, credit: number, internal = false, lease?: RemoteLease): void {
     const len = lmr.length;
     const n = Math.max(1, Math.ceil(len / CHUNK_BYTES));
     op.parts = n;
@@ -800,7 +833,7 @@ export class Connection implements MemoryHost {
         rkey,
       };
       if (last && imm !== undefined) wr.imm = imm;
-      this.enqueue({ wr, op, credit: last ? credit : 0, hdr: null, internal });
+      this.enqueue({ wr, op, credit: last ? credit : 0, hdr: null, internal, lease });
     }
   }
 
@@ -829,7 +862,7 @@ export class Connection implements MemoryHost {
     lmr.mem.inflight++;
     op.mems.push(lmr.mem);
     const p = this.track<void>(op, signal);
-    this.postTransfer(op, imm === undefined ? WrOpcode.RDMA_WRITE : WrOpcode.RDMA_WRITE_WITH_IMM, lmr, rmr.addr, rmr.rkey, imm, imm === undefined ? 0 : 2);
+    this.postTransfer(op, imm === undefined ? WrOpcode.RDMA_WRITE : WrOpcode.RDMA_WRITE_WITH_IMM, lmr, rmr.addr, rmr.rkey, imm, imm === undefined ? 0 : 2, false, rmr.lease);
     return p;
   }
 
@@ -843,7 +876,7 @@ export class Connection implements MemoryHost {
     lmr.mem.inflight++;
     op.mems.push(lmr.mem);
     const p = this.track<void>(op, signal);
-    this.postTransfer(op, WrOpcode.RDMA_READ, lmr, rmr.addr, rmr.rkey, undefined, 0);
+    this.postTransfer(op, WrOpcode.RDMA_READ, lmr, rmr.addr, rmr.rkey, undefined, 0, false, rmr.lease);
     return p;
   }
 
@@ -860,7 +893,7 @@ export class Connection implements MemoryHost {
     op.result = res;
     const p = this.track<bigint>(op, signal);
     const a = res.alloc;
-    this.enqueue({ wr: { wrId: 0, opcode, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: 8, lkey: a.mr.lkey }], remoteAddr: rmr.addr, rkey: rmr.rkey, compareAdd, swap }, op, credit: 0, hdr: null });
+    this.enqueue({ wr: { wrId: 0, opcode, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: 8, lkey: a.mr.lkey }], remoteAddr: rmr.addr, rkey: rmr.rkey, compareAdd, swap }, op, credit: 0, hdr: null, lease: rmr.lease });
     return p;
   }
 
@@ -882,20 +915,16 @@ export class Connection implements MemoryHost {
     });
   }
 
-  /**
-   * Received memory handed to the user and maybe not disposed yet: moved out
-   * of the pool at teardown (LocalMemory.migrate) so a message received just
-   * before the end stays readable. Disposed entries are swept as it grows.
-   */
-  private readonly handedOut = new Set<LocalMemory>();
-
   private takeHead(): { mr: LocalMr; imm: number | undefined } {
     const head = this.incoming.shift()!;
     this.heldRecvs--;
-    if (!this.closed) {
-      if (this.handedOut.size >= 2 * this.opts.recvDepth) for (const m of this.handedOut) if (m.disposed) this.handedOut.delete(m);
-      this.handedOut.add(head.mr!.mem);
-    }
+    // Received memory outlives its connection: the pool moves it out instead of freeing it
+    // (MrPool.keep). One kept past the pool's close was moved already: the user holds plain
+    // memory now, and the peer-memory charge it kept while unread goes back.
+    const mem = head.mr!.mem;
+    mem.userHeld = true;
+    if (mem.pool !== null) mem.pool.keep(mem);
+    else mem.releaseCharge();
     this.repostHeld();
     return { mr: head.mr!, imm: head.imm };
   }
@@ -1077,6 +1106,10 @@ export class Connection implements MemoryHost {
   private onReceive(mem: LocalMemory, opcode: number, byteLen: number, imm: number): void {
     this.live.arrived();
     this.poller.touch();
+    if (this.peerClosed) {
+      mem.release();
+      return;
+    }
     if (opcode === WcOpcode.RECV_RDMA_WITH_IMM) {
       this.putRecv(mem);
       this.writeImms.push(imm);
@@ -1246,7 +1279,11 @@ export class Connection implements MemoryHost {
     this.fail(err);
   }
 
+  /** The peer sent CLOSE: it sends nothing after it, and anything that comes anyway is not delivered. */
+  private peerClosed = false;
+
   private onPeerClose(): void {
+    this.peerClosed = true;
     this.fail(new RdmaError("CONNECTION_CLOSED", "the peer closed the connection"));
   }
 
@@ -1364,17 +1401,15 @@ export class Connection implements MemoryHost {
       this.bounce.mr.deregister();
       this.bounce.mem.release();
     }
-    // Received messages outlive the connection: those the user holds, and
-    // (unless this side closed) those not read yet, move out of the
-    // registered memory that goes with it.
-    for (const m of this.handedOut) m.migrate();
-    this.handedOut.clear();
+    // Messages not read yet stay receivable (unless this side closed): the pool moves them out
+    // of registered memory when it closes (MrPool.keep), keeping their peer-memory charge until
+    // they are read or dropped. (Completions drained after fail() may have added entries: keep
+    // the whole ones only.)
     if (this.keepUnread) {
-      // (Completions drained after fail() may have added entries: keep the whole ones only.)
       let j = 0;
       for (const e of this.incoming) {
         if (e.ready && e.mr) {
-          e.mr.mem.migrate();
+          this.pool.keep(e.mr.mem);
           this.incoming[j++] = e;
         }
       }
@@ -1383,7 +1418,8 @@ export class Connection implements MemoryHost {
       for (const e of this.incoming.splice(0)) e.mr?.mem.release();
     }
     this.heldRecvs = this.incoming.length;
-    this.writeImms.drain();
+    // Immediates that arrived before the end stay receivable like messages (dropped when this side closes).
+    if (!this.keepUnread) this.writeImms.drain();
   }
 
   /**
@@ -1432,6 +1468,7 @@ export class Connection implements MemoryHost {
     if (!this.closed) return; // releaseAll frees them
     for (const e of this.incoming.splice(0)) e.mr?.mem.release();
     this.heldRecvs = 0;
+    this.writeImms.drain();
   }
 
   private waitClosed(timeoutMs: number): Promise<void> {

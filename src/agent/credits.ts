@@ -41,8 +41,8 @@ export interface QueuedWork {
   ctrl: boolean;
   /** Data messages queued. */
   data: boolean;
-  /** The data lane's head consumes a receive (a SEND, not one-sided work). */
-  dataHeadNeedsCredit: boolean;
+  /** Credits the data lane's head needs (0: one-sided work; NEED.ctrl: an ordered control message; NEED.data). */
+  dataHeadNeed: number;
 }
 
 export class Credits {
@@ -129,7 +129,7 @@ export class Credits {
     if (this.toReturn < 2) return false;
     if (!q.ctrl && !q.data) return this.toReturn >= Math.max(2, this.ourDepth >> 2);
     const ctrlBlocked = !q.ctrl || this.credits < NEED.ctrl;
-    const dataBlocked = !q.data || (q.dataHeadNeedsCredit && this.credits < NEED.data);
+    const dataBlocked = !q.data || this.credits < q.dataHeadNeed;
     return ctrlBlocked && dataBlocked;
   }
 }

@@ -63,6 +63,8 @@ export interface MemoryHost {
   readonly pool: MrPool;
   /** Fire-and-forget control message. */
   sendCtrl(m: CtrlMsg): void;
+  /** Fire-and-forget control message posted after every operation queued before it. */
+  sendCtrlOrdered(m: CtrlMsg): void;
   /** A control message whose promise settles when its SEND completes. */
   postCtrl(m: CtrlMsg, signal?: AbortSignal): Promise<void>;
   checkOpen(what: string): void;
@@ -614,8 +616,9 @@ export class MemoryProtocol {
         if (lease) {
           this.openedRemote.delete(m.token);
           lease.revoked = true;
-          // The acknowledgement: every operation this side posted on the region is ahead of it.
-          this.host.sendCtrl({ type: MsgType.MR_RELEASE, token: m.token });
+          // The acknowledgement, after every operation queued before it: those on the region
+          // reach the owner first (RC order).
+          this.host.sendCtrlOrdered({ type: MsgType.MR_RELEASE, token: m.token });
         }
         return true;
       }

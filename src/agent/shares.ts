@@ -178,6 +178,7 @@ export class Share {
       return done;
     }
     this.told = true;
+    // Not unref'd: an owner awaiting revoke() must see it settle (it holds the process at most waitMs).
     this.waitTimer = setTimeout(() => this.revokeNow(), waitMs);
     for (const [opener, ids] of [...this.opens]) for (const id of [...ids]) opener.revoked(this, id);
     this.settleIfDone();
@@ -205,6 +206,7 @@ export class Share {
     if (this.regs.size > 0 || this.opens.size > 0 || !this.finish) return;
     if (this.waitTimer) clearTimeout(this.waitTimer);
     this.waitTimer = null;
+    this.table.ended(this);
     this.lmr.mem.beforeFree.delete(this.onMemoryFree);
     const f = this.finish;
     this.finish = null;
@@ -242,18 +244,27 @@ export class ShareTable {
     return this.byKey.get(key) ?? this.parent?.find(key);
   }
 
-  /** @internal */
+  /** Shares being revoked in order (out of the table by name, registrations not all gone yet). */
+  private readonly ending = new Set<Share>();
+
+  /** @internal a revoke started: the name is free again, the share ends in order. */
   forget(s: Share): void {
     if (this.byKey.get(s.key) === s) this.byKey.delete(s.key);
+    this.ending.add(s);
+  }
+
+  /** @internal the share's last registration is gone. */
+  ended(s: Share): void {
+    this.ending.delete(s);
   }
 
   get size(): number {
     return this.byKey.size;
   }
 
-  /** Revokes every share at once (the owner is closing). */
+  /** Revokes every share at once, also those already ending in order (the owner is closing). */
   close(): void {
     this.closed = true;
-    for (const s of [...this.byKey.values()]) s.revokeNow();
+    for (const s of [...this.byKey.values(), ...this.ending]) s.revokeNow();
   }
 }

@@ -79,15 +79,20 @@ export class LocalMemory {
     else this.doFree();
   }
 
+  /** A received message handed to the user (receive), as opposed to one kept unread. */
+  userHeld = false;
+
   /**
    * Moves the bytes out of the pool into memory of no connection and no
    * protection domain, and frees the pool's allocation: a received message
-   * that outlives its connection stays readable. Views taken before are
-   * detached; any connection refuses the memory as an operand.
+   * that outlives its connection's pool stays readable. Views taken before
+   * are detached (read `bytes` again); any connection refuses the memory as
+   * an operand. The peer-memory charge stays (releaseCharge). False when it
+   * cannot move (disposed, freed, in flight or lent).
    */
-  migrate(): void {
+  migrate(): boolean {
     const pool = this.pool;
-    if (pool === null || this.disposed || this.freed || this.inflight > 0 || this._lentTo !== null) return;
+    if (pool === null || this.disposed || this.freed || this.inflight > 0 || this._lentTo !== null) return false;
     const a = this.alloc;
     const buffer = new ArrayBuffer(a.length);
     new Uint8Array(buffer).set(new Uint8Array(a.buffer, a.bufOffset, a.length));
@@ -96,6 +101,11 @@ export class LocalMemory {
     this.pool = null;
     this.recycle = null;
     pool.free(a);
+    return true;
+  }
+
+  /** Gives back what freeing this memory would give back (a rendezvous message's peer-memory charge), once. */
+  releaseCharge(): void {
     const f = this.onFree;
     this.onFree = null;
     f?.();
@@ -108,6 +118,7 @@ export class LocalMemory {
 
   private doFree(): void {
     this.freePending = false;
+    this.pool?.unkeep(this);
     if (this.pool && this.recycle?.(this.alloc)) return this.onFree?.();
     if (this.pool) this.pool.free(this.alloc);
     else this.alloc.mr.deregister();

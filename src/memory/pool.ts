@@ -19,6 +19,7 @@
  * registration), so it can be detached while the memory is lent to the peer
  * and replaced by a fresh one when it comes back (suspend/resume).
  */
+import type { LocalMemory } from "./mr.js";
 import { RdmaError, checkInt } from "../errors.js";
 import { Access, type MemoryRegion, type ProtectionDomain } from "../transport/types.js";
 import { detachArrayBuffer } from "../transport/buffers.js";
@@ -202,9 +203,33 @@ export class MrPool {
     return this.pd.registerMr(alloc.mr.buffer, access | Access.LOCAL_WRITE, alloc.mrBufOffset + offset, length);
   }
 
-  /** Frees everything (connection teardown). */
+  /**
+   * Received memory handed to the user, or kept unread past its connection's
+   * end: when the pool closes it is moved out (LocalMemory.migrate), not
+   * freed, so a received message stays readable. A LocalMemory leaves the set
+   * when it is freed.
+   */
+  private readonly kept = new Set<LocalMemory>();
+
+  keep(m: LocalMemory): void {
+    this.kept.add(m);
+  }
+
+  unkeep(m: LocalMemory): void {
+    this.kept.delete(m);
+  }
+
+  /** Frees everything (the last connection of the pool's family ended), moving kept received memory out first. */
   close(): void {
     if (this.closed) return;
+    for (const m of this.kept) {
+      // A message the user holds is plain memory now: it stops counting as memory the peer makes
+      // us hold. One kept unread keeps its charge until it is read or dropped; memory that could
+      // not move (lent, in flight) is freed below.
+      const moved = m.migrate();
+      if (!moved || m.userHeld) m.releaseCharge();
+    }
+    this.kept.clear();
     this.closed = true;
     for (const a of [...this.live]) this.free(a);
     for (const list of this.slabs.values()) for (const s of list) s.mr.deregister();

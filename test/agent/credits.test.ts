@@ -6,7 +6,7 @@ import { describe, it } from "node:test";
 import assert from "node:assert/strict";
 import { CREDIT_RESERVE, CTRL_RESERVE, Credits, NEED } from "../../src/agent/credits.js";
 
-const idle = { credit: false, ctrl: false, data: false, dataHeadNeedsCredit: false };
+const idle = { credit: false, ctrl: false, data: false, dataHeadNeed: 0 };
 
 describe("send credits (agent/credits.ts)", () => {
   it("the reserves: a CREDIT may take the last credit, control leaves it, data leaves the control reserve too; one-sided work needs none", () => {
@@ -67,7 +67,7 @@ describe("send credits (agent/credits.ts)", () => {
     const c = new Credits(32, 32);
     for (let i = 0; i < 10; i++) c.consumed();
     c.reposted(10);
-    assert.equal(c.shouldSendCredits({ ...idle, data: true, dataHeadNeedsCredit: true }), false);
+    assert.equal(c.shouldSendCredits({ ...idle, data: true, dataHeadNeed: NEED.data }), false);
     assert.equal(c.shouldSendCredits({ ...idle, ctrl: true }), false);
   });
 
@@ -76,7 +76,7 @@ describe("send credits (agent/credits.ts)", () => {
     while (c.canSend(NEED.data)) c.spend(NEED.data);
     for (let i = 0; i < 2; i++) c.consumed();
     c.reposted(1);
-    const blocked = { ...idle, data: true, dataHeadNeedsCredit: true };
+    const blocked = { ...idle, data: true, dataHeadNeed: NEED.data };
     assert.equal(c.shouldSendCredits(blocked), false, "one owed is not enough");
     c.reposted(1);
     assert.equal(c.shouldSendCredits(blocked), true);
