@@ -707,6 +707,8 @@ async function bindCm(
   return {
     address: () => local,
     handshakes: () => pending.size,
+    sockets: () => 0,
+    connections: () => live,
     context: () => (closed ? null : bound),
     close: async () => {
       if (closed) return;

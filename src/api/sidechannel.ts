@@ -265,7 +265,12 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
   const socketShare = fairShare(maxSockets);
   const slotShare = fairShare(s.maxHandshakes);
 
+  /** Side-channel sockets open (each closed when its handshake ends). */
+  let sockets = 0;
+
   const handshake = async (sock: net.Socket): Promise<void> => {
+    sockets++;
+    sock.once("close", () => sockets--);
     if (closed) return void sock.destroy();
     const source = canonicalIp(sock.remoteAddress ?? "?");
     let src = sources.get(source);
@@ -377,6 +382,8 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
       return { host: a.address, port: a.port };
     },
     handshakes: () => inProgress,
+    sockets: () => sockets,
+    connections: () => live,
     context: () => (closed ? null : ctx),
     close: async () => {
       if (closed) return;
