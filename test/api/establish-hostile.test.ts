@@ -180,7 +180,8 @@ describe(`establishment against hostile peers [${PROVIDER}]`, { skip: CM !== "tc
     }
   }
 
-  const LINE = JSON.stringify({ junk: "j".repeat(64 * 1024 - 20) }) + "\n";
+  /** A well-formed line (under the 16 KiB bound: the reader would keep every one of them). */
+  const LINE = JSON.stringify({ junk: "j".repeat(4096 - 20) }) + "\n";
   /** What a hostile peer streams at most (the issue: 128 MiB sent, +134 MiB of heap). */
   const LIMIT = 64 * MiB;
 
@@ -190,6 +191,7 @@ describe(`establishment against hostile peers [${PROVIDER}]`, { skip: CM !== "tc
       try {
         const heap0 = await settledHeap();
         const accepted = l.accept({ timeoutMs: STEP_MS });
+        accepted.catch(() => {}); // awaited below unless an assertion fails first
         let sock: net.Socket | null = null;
         const p = await RawAgentPeer.connect(peerDev, l.port, { afterReady: (s) => (sock = s) });
         try {
@@ -202,6 +204,8 @@ describe(`establishment against hostile peers [${PROVIDER}]`, { skip: CM !== "tc
           assert.ok(grown < 16 * MiB, `the heap grew by ${(grown / MiB).toFixed(1)} MiB`);
           await rdma.close();
         } finally {
+          // (a listener closes once its sockets are gone)
+          (sock as net.Socket | null)?.destroy();
           p.close();
         }
       } finally {
