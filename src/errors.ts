@@ -27,6 +27,7 @@ export type RdmaErrorCode =
   | "QUOTA_EXCEEDED"
   | "CONNECTION_CLOSED"
   | "CONNECTION_REFUSED"
+  | "ADDRESS_IN_USE"
   | "AUTH_FAILED"
   | "NOT_FOUND"
   | "PROTOCOL"

@@ -205,6 +205,12 @@ export class ChallengeTable {
     return n;
   }
 
+  /** The identity the nonce was issued to, without using it up; null when unknown, expired or already used. */
+  peek(n: Uint8Array): string | null {
+    this.purge();
+    return this.m.get(Buffer.from(n.buffer, n.byteOffset, n.byteLength).toString("hex"))?.identity ?? null;
+  }
+
   /** The identity the nonce was issued to, once; null when unknown, expired or already used. */
   take(n: Uint8Array): string | null {
     this.purge();

@@ -46,6 +46,8 @@ export interface ResolvedSettings {
   maxMessageSize: number;
   /** Connections a listener sets up at once (holding a QP, before the client's ready). */
   maxHandshakes: number;
+  /** Connections a listener holds at once (established, or set up past the hello). */
+  maxConnections: number;
   /** How connections are established: the TCP side channel, or RDMA CM (verbs only; rdmacm.ts). */
   cm: ConnectionManager;
   /** @internal Peer authentication (setAuth); null: unauthenticated (trusted fabric). */
@@ -90,6 +92,9 @@ const DEFAULTS: ResolvedSettings = {
   keepaliveMs: 2_000,
   maxMessageSize: 64 << 20,
   maxHandshakes: 256,
+  // ~280 KiB of memory and 2 descriptors per idle connection with the other defaults: 1024 of them
+  // stay under ~300 MiB and fit a process's usual descriptor limit with room to spare.
+  maxConnections: 1024,
   cm: "tcp",
   auth: null,
 };
@@ -276,6 +281,18 @@ export class RdmaBuilder {
    */
   setMaxHandshakes(n: number): this {
     this.s.maxHandshakes = checkInt("maxHandshakes", n, 1, 1 << 16);
+    return this;
+  }
+  /**
+   * Connections a listener holds at once (default 1024): the established
+   * ones it accepted and not yet closed, and those being set up. A client
+   * past it is refused before anything is allocated for it, with
+   * CONNECTION_REFUSED "the server is full"; a slot frees when a connection
+   * ends (closed by either side, or failed). Each idle connection costs
+   * about 280 KiB and 2 descriptors with the default settings.
+   */
+  setMaxConnections(n: number): this {
+    this.s.maxConnections = checkInt("maxConnections", n, 1, 1 << 20);
     return this;
   }
   /**

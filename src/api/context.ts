@@ -84,9 +84,11 @@ export class Context {
   /**
    * A context on the same device with a protection domain and memory pool of
    * its own, for one accepted connection. It holds a reference on this one
-   * (so the device outlives it); releasing it frees its pool and PD.
+   * (so the device outlives it); releasing it frees its pool and PD, then
+   * calls `onRelease` (a listener counts its connections this way: every
+   * way a connection ends, setup failure included, releases its fork once).
    */
-  fork(): Context {
+  fork(onRelease?: () => void): Context {
     let pd: ProtectionDomain;
     try {
       pd = this.device.allocPd();
@@ -94,7 +96,17 @@ export class Context {
       throw e instanceof RdmaError ? e : new RdmaError("DEVICE", `cannot allocate a protection domain on ${this.device.name}: ${(e as Error).message}`, { cause: e });
     }
     this.retain();
-    return new Context(this.provider, this.device, pd, new MrPool(pd), () => this.release(), this.shares);
+    return new Context(
+      this.provider,
+      this.device,
+      pd,
+      new MrPool(pd),
+      () => {
+        this.release();
+        onRelease?.();
+      },
+      this.shares,
+    );
   }
 
   retain(): this {

@@ -25,6 +25,10 @@ export interface ListenerSource {
   address(): { host: string; port: number };
   /** Handshakes under way (accepted, not yet handed out). */
   handshakes(): number;
+  /** Side-channel sockets open (0 on RDMA CM): they are closed as each handshake ends. */
+  sockets(): number;
+  /** Connections the listener holds (setMaxConnections): being set up past the hello, or established and not yet released. */
+  connections(): number;
   /** The listener's own context (its memory and shares; every accepted connection's context is a fork of it), or null when it has none yet (RDMA CM bound to no device). */
   context(): Context | null;
   close(): Promise<void>;

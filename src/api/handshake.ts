@@ -30,33 +30,74 @@ export interface Hello {
   maxRdAtomic?: number;
 }
 
-/** Reads JSON lines from a socket, one at a time, with a deadline. */
+/**
+ * Reads JSON lines from a socket, one at a time. What it holds is bounded
+ * whatever the peer sends: a line is at most MAX_LINE characters (a longer
+ * one, with or without its newline, fails the reader), the socket is paused
+ * while read lines wait for their reader (TCP flow control holds the peer
+ * back), and a reader that failed or was stopped reads nothing more. Partial
+ * lines are kept as a list of chunks, joined once per line, so a line that
+ * arrives a byte at a time costs linear work.
+ */
 export class LineReader {
-  private buf = "";
+  private parts: string[] = [];
+  private partLen = 0;
   private lines: string[] = [];
   private waiter: { resolve: (l: string) => void; reject: (e: unknown) => void } | null = null;
   private error: RdmaError | null = null;
+  private readonly onData = (d: string): void => this.take(d);
 
   constructor(private readonly sock: net.Socket) {
     sock.setEncoding("utf8");
-    sock.on("data", (d: string) => {
-      this.buf += d;
-      let i: number;
-      while ((i = this.buf.indexOf("\n")) >= 0) {
-        // every line is bounded, however it arrives (one read or many)
-        if (i > MAX_LINE) return this.failWith(new RdmaError("PROTOCOL", "handshake message too long"));
-        this.lines.push(this.buf.slice(0, i));
-        this.buf = this.buf.slice(i + 1);
-      }
-      if (this.buf.length > MAX_LINE) this.failWith(new RdmaError("PROTOCOL", "handshake message too long"));
-      this.pump();
-    });
+    sock.on("data", this.onData);
     sock.on("error", (e: NodeJS.ErrnoException) => this.failWith(new RdmaError("CONNECTION_CLOSED", `handshake connection failed: ${e.message}`, { errnoName: e.code ?? "EIO", ...(e.syscall === undefined ? {} : { syscall: e.syscall }), cause: e })));
     sock.on("close", () => this.failWith(new RdmaError("CONNECTION_CLOSED", "the peer closed the handshake connection")));
   }
 
+  private take(d: string): void {
+    if (this.error) return;
+    let from = 0;
+    let i: number;
+    while ((i = d.indexOf("\n", from)) >= 0) {
+      // every line is bounded, however it arrives (one read or many)
+      if (this.partLen + (i - from) > MAX_LINE) return this.failWith(new RdmaError("PROTOCOL", "handshake message too long"));
+      this.parts.push(d.slice(from, i));
+      this.lines.push(this.parts.length === 1 ? this.parts[0]! : this.parts.join(""));
+      this.parts = [];
+      this.partLen = 0;
+      from = i + 1;
+    }
+    if (from < d.length) {
+      if (this.partLen + (d.length - from) > MAX_LINE) return this.failWith(new RdmaError("PROTOCOL", "handshake message too long"));
+      this.parts.push(from === 0 ? d : d.slice(from));
+      this.partLen += d.length - from;
+    }
+    this.pump();
+    // lines nobody asked for yet: read no more until they are taken
+    if (this.lines.length > 0 && !this.waiter) this.sock.pause();
+  }
+
+  /**
+   * Stops reading (the handshake is over, or failed): nothing more is read
+   * from the socket or kept, whatever the peer sends. The caller closes it.
+   */
+  stop(): void {
+    if (!this.error) this.error = new RdmaError("CONNECTION_CLOSED", "the handshake connection is closed");
+    this.detach();
+  }
+
+  private detach(): void {
+    this.sock.off("data", this.onData);
+    this.sock.pause();
+    this.parts = [];
+    this.partLen = 0;
+  }
+
   private failWith(e: RdmaError): void {
-    if (!this.error) this.error = e;
+    if (!this.error) {
+      this.error = e;
+      this.detach();
+    }
     this.pump();
   }
 
@@ -76,6 +117,7 @@ export class LineReader {
     return new Promise((resolve, reject) => {
       this.waiter = { resolve, reject };
       this.pump();
+      if (this.waiter && !this.error) this.sock.resume();
     });
   }
 

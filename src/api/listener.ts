@@ -60,9 +60,10 @@ export class RdmaListener implements AsyncIterable<Rdma> {
     return this.address().port;
   }
 
-  /** @internal Handshakes under way and refused so far (tests and diagnostics). */
-  stats(): { handshakes: number; rejected: number } {
-    return { handshakes: this.src().handshakes(), rejected: this.rejectedCount };
+  /** @internal Handshakes under way, refused so far, side-channel sockets open, connections held (tests and diagnostics). */
+  stats(): { handshakes: number; rejected: number; sockets: number; connections: number } {
+    const src = this.src();
+    return { handshakes: src.handshakes(), rejected: this.rejectedCount, sockets: src.sockets(), connections: src.connections() };
   }
 
   private src(): ListenerSource {

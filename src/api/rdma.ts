@@ -368,6 +368,7 @@ export { parseAddr };
 export async function whenReady(rdma: Rdma): Promise<Rdma> {
   try {
     await rdma.conn.whenPeerLimits(rdma.settings.connectTimeoutMs);
+    rdma.conn.checkOpen("connect"); // one that failed during setup is never handed out
     return rdma;
   } catch (e) {
     rdma.conn.checkOpen("connect");

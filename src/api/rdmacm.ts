@@ -46,7 +46,7 @@ import { Context } from "./context.js";
 import { PROTOCOL_VERSION, canonicalIp } from "./handshake.js";
 import { AUTH_FAILED_WIRE, ChallengeTable, MAX_IDENTITY_BYTES, authMac, authRefusal, checkIdentity, macEqual, nonce, wireMessage } from "./auth.js";
 import { Rdma } from "./rdma.js";
-import { abandon, connectAttr, makeConnection } from "./setup.js";
+import { abandon, connectAttr, makeConnection, startConnection } from "./setup.js";
 import type { Establisher, ListenerSink, ListenerSource } from "./establish.js";
 
 const MAGIC = 0x6152444d; // "aRDM"
@@ -432,12 +432,18 @@ async function dialCm(
     conn.setPeer({ recvDepth: peer.recvDepth, eagerMax: peer.eagerMax });
     connectQp(conn, last, ev.conn?.qpNum ?? 0, peer.psn, s);
     last.establish();
-    conn.start();
     const pi = last.info();
-    const rdma = new Rdma(conn, ctx, s, { addr, redial: (again) => dialCm(s, () => s, addr, undefined, again) }, { address: canonicalIp(pi.peerAddr || dst), port: pi.peerPort || addr.port, identity: cred ? cred.identity : null });
-    holder.rdma = rdma;
+    // Siblings (newConnection) dial the address this connection reached, not the name again.
+    const reached = { host: pi.peerAddr || dst, port: addr.port };
+    const rdma = new Rdma(conn, ctx, s, { addr, redial: (again) => dialCm(s, () => s, reached, undefined, again) }, { address: canonicalIp(pi.peerAddr || dst), port: pi.peerPort || addr.port, identity: cred ? cred.identity : null });
     attach(rdma, conn, last);
     cmIdOf.set(rdma, last);
+    // From here on the connection owns the id, QP, CQ and context: its teardown releases them.
+    const started = conn;
+    conn = null;
+    ctx = null;
+    id = null;
+    startConnection(started, rdma, holder);
     return rdma;
   } catch (e) {
     // assigned in resolved(), which TypeScript's narrowing does not see
@@ -508,8 +514,8 @@ async function bindCm(
       id.bind(host, addr.port);
     } catch (e) {
       const errno = e instanceof RdmaError ? e.errnoName : undefined;
-      const why = errno === "EADDRINUSE" ? "the port is in use" : errno === "EADDRNOTAVAIL" || errno === "ENODEV" ? "no RDMA device has that address" : (e as Error).message;
-      throw new RdmaError("INVALID_ARGUMENT", `cannot listen on ${addr.host}:${addr.port} with RDMA CM: ${why}`, errno === undefined ? { cause: e } : { errnoName: errno, cause: e });
+      const why = errno === "EADDRINUSE" ? "the address is in use (another server listens there): choose another port, or stop that server" : errno === "EADDRNOTAVAIL" || errno === "ENODEV" ? "no RDMA device has that address" : (e as Error).message;
+      throw new RdmaError(errno === "EADDRINUSE" ? "ADDRESS_IN_USE" : "INVALID_ARGUMENT", `cannot listen on ${addr.host}:${addr.port} with RDMA CM: ${why}`, errno === undefined ? { cause: e } : { errnoName: errno, syscall: "rdma_bind_addr", cause: e });
     }
     info = id.info();
     if (info.deviceName) bound = (await contextFor(info.deviceName, info.portNum)).ctx;
@@ -528,8 +534,8 @@ async function bindCm(
 
   /**
    * Checks an incoming REQ's authentication before anything is allocated:
-   * an auth connect's nonce must be outstanding (it is then used up), its MAC
-   * right for the identity the challenge was issued to. Returns the hello
+   * an auth connect's nonce must be outstanding, its MAC right for the
+   * identity the challenge was issued to; the nonce is used up only then. Returns the hello
    * and, when authenticated, what the accept's MAC needs.
    */
   const admit = (ev: CmEvent, who: string): { hello: CmHello; authed: { key: Buffer; identity: string; signed: Uint8Array } | null } => {
@@ -537,11 +543,14 @@ async function bindCm(
     if (kindOf(pd) === KIND_AUTH_CONNECT) {
       if (!auth) throw authRefusal(`client ${who} authenticates, but this listener has no key (setAuth)`, NO_AUTH_WIRE);
       const r = decodeAuthConnect(pd!);
-      const identity = challenges.take(r.ns);
+      const identity = challenges.peek(r.ns);
       if (identity === null) throw authRefusal(`client ${who}: its challenge nonce is unknown, expired or already used (a replay?)`, "authentication failed: the challenge is unknown, expired or already used");
       const rk = auth.resolve(identity);
       const ok = macEqual(r.mac, connectMac(rk.key, identity, r.signed, ev.conn?.qpNum ?? 0));
       if (!ok || !rk.known) throw authRefusal(`client ${who} (identity ${JSON.stringify(identity)}) failed authentication: ${rk.known ? "wrong MAC (wrong key, or the request was altered)" : rk.why}`, AUTH_FAILED_WIRE);
+      // Spent only now: a forged request (an eavesdropper's, with the nonce it saw) must not use up
+      // the nonce of the client it was issued to.
+      challenges.take(r.ns);
       return { hello: decodeHello(pd, KIND_AUTH_CONNECT), authed: { key: rk.key, identity, signed: r.signed } };
     }
     const hello = decodeHello(pd, KIND_CONNECT);
@@ -571,11 +580,29 @@ async function bindCm(
     child.destroy();
   };
 
-  const handle = async (child: CmId, ev: CmEvent): Promise<void> => {
+  /** Connections that hold (or are about to take) a context fork: being set up, or established and not yet released. */
+  let live = 0;
+  /** Handshakes under way per source address: one address holds at most half of maxHandshakes. */
+  const pendingFrom = new Map<string, number>();
+  const slotShare = Math.max(1, Math.ceil(base.maxHandshakes / 2));
+
+  const handle = async (child: CmId, ev: CmEvent, source: string): Promise<void> => {
     pending.add(child);
+    pendingFrom.set(source, (pendingFrom.get(source) ?? 0) + 1);
+    // This request's place under maxConnections, taken now (onEvent checked it) and given back
+    // once: by its fork's release (every way the connection ends), or here if it never forks.
+    live++;
+    let forked = false;
+    const unpend = (): void => {
+      if (!pending.delete(child)) return;
+      const n = (pendingFrom.get(source) ?? 1) - 1;
+      if (n > 0) pendingFrom.set(source, n);
+      else pendingFrom.delete(source);
+    };
     let conn: Connection | null = null;
     let ctx: Context | null = null;
     let accepted = false;
+    let handedOver = false;
     const holder: { rdma: Rdma | null } = { rdma: null };
     try {
       const ci = child.info();
@@ -586,7 +613,8 @@ async function bindCm(
       const s = entry.s;
       if (closed) throw new RdmaError("CONNECTION_REFUSED", "the listener is closed");
       // A protection domain and pool of its own: no other connection can reach what it grants or lends.
-      ctx = entry.ctx.fork();
+      ctx = entry.ctx.fork(() => live--);
+      forked = true;
       conn = makeConnection(ctx, s, { recvDepth: hello.recvDepth, eagerMax: hello.eagerMax }, holder);
       const clientQpn = ev.conn?.qpNum ?? 0;
       connectQp(conn, child, clientQpn, hello.psn, s);
@@ -606,29 +634,37 @@ async function bindCm(
         const code = r?.code === REJECT_PROTOCOL ? "PROTOCOL" : r?.code === REJECT_AUTH ? "AUTH_FAILED" : "CONNECTION_CLOSED";
         throw new RdmaError(code, `the client ${ci.peerAddr}:${ci.peerPort} did not complete the connection (RDMA CM ${est.name}${r ? `: ${r.reason}` : ""})`);
       }
-      conn.start();
+      // The Rdma, and so the peer's identity, exists before the connection processes any message.
       const rdma = new Rdma(conn, ctx, s, null, { address: canonicalIp(ci.peerAddr), port: ci.peerPort, identity: authed ? authed.identity : null });
-      holder.rdma = rdma;
       attach(rdma, conn, child);
       cmIdOf.set(rdma, child);
-      pending.delete(child);
+      unpend();
+      // From here on the connection owns the id, QP, CQ and context: its teardown releases them.
+      const started = conn;
       conn = null;
       ctx = null;
+      handedOver = true;
+      startConnection(started, rdma, holder);
+      // A connection that failed as it started (a malformed message that came first) is never handed out.
+      if (started.failure) throw started.failure;
       sink.push(rdma);
     } catch (e) {
-      pending.delete(child);
+      unpend();
       const err = e instanceof RdmaError ? e : new RdmaError("PROTOCOL", String(e));
-      if (!accepted && !child.isDestroyed) {
-        try {
-          child.reject(encodeReject(rejectCode(err), wireMessage(err)));
-        } catch {
-          /* the client is gone */
+      if (!handedOver) {
+        if (!accepted && !child.isDestroyed) {
+          try {
+            child.reject(encodeReject(rejectCode(err), wireMessage(err)));
+          } catch {
+            /* the client is gone */
+          }
+        } else {
+          child.disconnect();
         }
-      } else {
-        child.disconnect();
+        child.destroy();
+        abandon(conn, ctx);
+        if (!forked) live--;
       }
-      child.destroy();
-      abandon(conn, ctx);
       sink.reject(err);
     }
   };
@@ -636,8 +672,23 @@ async function bindCm(
   id.onEvent = (e: CmEvent) => {
     if (e.type === T.CONNECT_REQUEST && e.child) {
       if (!closed && kindOf(e.privateData) === KIND_AUTH_REQUEST) return challengeOf(e.child, e);
-      if (closed || pending.size >= base.maxHandshakes) {
-        const why = closed ? "the listener is closed" : `the server is busy: ${pending.size} connections are being set up (its limit); retry later`;
+      let source = "";
+      try {
+        source = canonicalIp(e.child.info().peerAddr);
+      } catch {
+        /* refused below as any other */
+      }
+      const mine = pendingFrom.get(source) ?? 0;
+      const why = closed
+        ? "the listener is closed"
+        : live >= base.maxConnections
+          ? `the server is full: it holds ${live} connections (its limit); retry later`
+          : pending.size >= base.maxHandshakes
+            ? `the server is busy: ${pending.size} connections are being set up (its limit); retry later`
+            : mine >= slotShare
+              ? `the server is busy: ${mine} connections from ${source} are being set up (the most one address may have: half of ${base.maxHandshakes}); retry later`
+              : null;
+      if (why !== null) {
         try {
           e.child.reject(encodeReject(REJECT_REFUSED, why));
         } catch {
@@ -646,7 +697,7 @@ async function bindCm(
         e.child.destroy();
         return;
       }
-      void handle(e.child, e);
+      void handle(e.child, e, source);
     } else {
       e.child?.destroy();
     }
@@ -656,6 +707,8 @@ async function bindCm(
   return {
     address: () => local,
     handshakes: () => pending.size,
+    sockets: () => 0,
+    connections: () => live,
     context: () => (closed ? null : bound),
     close: async () => {
       if (closed) return;

@@ -38,8 +38,16 @@ export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDe
     maxInline: qp.caps.maxInlineData,
     keepaliveMs: s.keepaliveMs,
     maxMessageSize: s.maxMessageSize,
-    // allow(peer) callbacks see rdma.peer (address, port, proven identity)
-    shares: { find: (key) => ctx.shares.find(key), peer: () => holder.rdma?.peer ?? null },
+    // allow(peer) callbacks see rdma.peer (address, port, proven identity). The Rdma exists before
+    // the connection processes its first message (startConnection); were it missing, the open is
+    // refused (the agent treats a throwing allow as a refusal): allow is never asked about nobody.
+    shares: {
+      find: (key) => ctx.shares.find(key),
+      peer: () => {
+        if (!holder.rdma) throw new RdmaError("INVALID_STATE", "the peer is not known yet");
+        return holder.rdma.peer;
+      },
+    },
   };
   const conn = new Connection(qp, cq, ctx.pool, opts, peer, () => holder.rdma?.releaseResources());
   try {
@@ -49,6 +57,25 @@ export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDe
     throw e;
   }
   return conn;
+}
+
+/** @internal */
+/**
+ * Hands a set-up connection to its Rdma and starts it. The Rdma (so
+ * `rdma.peer`, with the proven identity) exists before the connection
+ * processes any message, and from here on the connection owns everything
+ * (QP, CQ, buffers, context): any failure, even one start() itself finds (a
+ * malformed message that arrived before the handshake ended), ends in the
+ * connection's teardown, which releases it all through
+ * `rdma.releaseResources()`. The caller must not abandon() it after this.
+ */
+export function startConnection(conn: Connection, rdma: Rdma, holder: { rdma: Rdma | null }): void {
+  holder.rdma = rdma;
+  try {
+    conn.start();
+  } catch (e) {
+    conn.fail(e instanceof RdmaError ? e : new RdmaError("DEVICE", `cannot start the connection: ${(e as Error)?.message ?? String(e)}`, { cause: e }));
+  }
 }
 
 /** @internal */

@@ -10,9 +10,18 @@
  * Nothing is allocated on the server until the whole hello is valid (fields,
  * provider, and for tcp an endpoint on the side channel's own peer) and, with
  * authentication (setAuth), the client has proved it has the key; from then
- * on every failure goes through abandon(). Handshakes that hold resources (a
- * valid hello, no "ready" yet) are bounded per listener (`maxHandshakes`),
- * and so are the sockets still before their hello or proof.
+ * on every failure goes through abandon(), and once started the connection's
+ * own teardown frees it (startConnection). Per listener, bounded before
+ * anything is allocated: connections held (`maxConnections`: established or
+ * being set up), handshakes that hold resources (`maxHandshakes`: a valid
+ * hello, no "ready" yet), and sockets still before their hello or proof; one
+ * source address holds at most half of the handshakes and of the sockets,
+ * so one host cannot keep everyone else out (as sshd's MaxStartups).
+ *
+ * The side channel ends with the handshake: once the server has read
+ * "ready" it stops reading and destroys the socket; the client, once its
+ * "ready" has left (at most FINAL_LINE_MS), does the same. Nothing a peer
+ * sends after the handshake is read or kept.
  *
  * Authenticated (both sides set a key; auth.ts has the primitives):
  *
@@ -30,12 +39,32 @@ import { Context } from "./context.js";
 import { LineReader, PROTOCOL_VERSION, canonicalIp, helloBytes, parseHello, peerEndpoint, sendLine, type Hello } from "./handshake.js";
 import { AUTH_FAILED_WIRE, authMac, authRefusal, b64Field, checkIdentity, macEqual, nonce, wireMessage } from "./auth.js";
 import { Rdma } from "./rdma.js";
-import { abandon, connectAttr, makeConnection } from "./setup.js";
+import { abandon, connectAttr, makeConnection, startConnection } from "./setup.js";
 import type { ResolvedSettings } from "./builder.js";
 import type { Establisher, ListenerSink, ListenerSource } from "./establish.js";
 
 /** Sockets still before their hello, per listener, for each handshake slot (they cost a socket and ≤ 16 KiB each). */
 const PRE_HELLO_PER_SLOT = 16;
+/** How long the client's last line ("ready") may take to leave before its side-channel socket is destroyed anyway. */
+const FINAL_LINE_MS = 1000;
+
+/** What one source address may hold of a per-listener bound `n`: half of it (at least one). */
+function fairShare(n: number): number {
+  return Math.max(1, Math.ceil(n / 2));
+}
+
+/**
+ * The client's end of the side channel once its last line is written:
+ * nothing more is read, and the socket is destroyed once the line has left
+ * (or after FINAL_LINE_MS, if the peer does not take it).
+ */
+function closeAfterLastLine(sock: net.Socket, reader: LineReader): void {
+  reader.stop();
+  const t = setTimeout(() => sock.destroy(), FINAL_LINE_MS);
+  t.unref();
+  sock.once("close", () => clearTimeout(t));
+  sock.end(() => sock.destroy());
+}
 
 async function openContext(base: ResolvedSettings, resolve: (attr: DeviceAttr) => ResolvedSettings): Promise<{ ctx: Context; s: ResolvedSettings }> {
   const ctx = await Context.open(base.provider, base.device);
@@ -95,7 +124,7 @@ async function dial(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
     });
     const reader = new LineReader(sock);
     const where = `${addr.host}:${addr.port}`;
-    const peerAddr = { address: canonicalIp(sock.remoteAddress ?? addr.host), port: sock.remotePort ?? addr.port };
+    const peerAddr = { raw: sock.remoteAddress ?? addr.host, address: canonicalIp(sock.remoteAddress ?? addr.host), port: sock.remotePort ?? addr.port };
     conn = makeConnection(c, s, { recvDepth: 0, eagerMax: 0 }, holder);
     const mine = hello(c, conn, s);
     const cred = s.auth ? { key: s.auth.clientKey(), identity: s.auth.identity, nc: nonce(NONCE_BYTES), ns: Buffer.alloc(0) as Buffer, mine: helloBytes(parseHello(mine, c.provider.name)) } : null;
@@ -123,11 +152,17 @@ async function dial(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
     conn.setPeer({ recvDepth: reply.recvDepth, eagerMax: reply.eagerMax, ...(reply.maxMessageSize === undefined ? {} : { maxMessageSize: reply.maxMessageSize }) });
     conn.qp.connect(endpoint, connectAttr(s, reply.maxRdAtomic));
     sendLine(sock, { ready: true });
-    sock.end();
-    conn.start();
+    closeAfterLastLine(sock, reader);
+    sock = null;
     const settings = s;
-    const rdma = new Rdma(conn, c, s, { addr, redial: (again) => dial(settings, () => settings, addr, undefined, again) }, { ...peerAddr, identity: cred ? cred.identity : null });
-    holder.rdma = rdma;
+    // Siblings (newConnection) dial the address this connection reached, not the name again:
+    // a name may resolve to another server, which would not share this protection domain.
+    const reached = { host: peerAddr.raw, port: peerAddr.port };
+    const rdma = new Rdma(conn, c, s, { addr, redial: (again) => dial(settings, () => settings, reached, undefined, again) }, { address: peerAddr.address, port: peerAddr.port, identity: cred ? cred.identity : null });
+    const started = conn;
+    conn = null;
+    ctx = null;
+    startConnection(started, rdma, holder);
     return rdma;
   } catch (e) {
     sock?.destroy();
@@ -216,23 +251,40 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
   const { ctx, s } = await openContext(base, resolve);
   const server = net.createServer({ noDelay: true });
   // Sockets still before their hello: bounded (the kernel closes the excess at once).
-  server.maxConnections = s.maxHandshakes * PRE_HELLO_PER_SLOT;
+  const maxSockets = s.maxHandshakes * PRE_HELLO_PER_SLOT;
+  server.maxConnections = maxSockets;
   let closed = false;
   /** Sockets accepted and not yet done with (any stage). */
   let inProgress = 0;
   /** Handshakes that hold resources: a valid hello, no "ready" yet. */
   let allocated = 0;
+  /** Connections that hold a context fork: set up past the hello, or established and not yet released. */
+  let live = 0;
+  /** Per source address: its sockets in progress and the handshake slots it holds (each at most a fair share). */
+  const sources = new Map<string, { sockets: number; slots: number }>();
+  const socketShare = fairShare(maxSockets);
+  const slotShare = fairShare(s.maxHandshakes);
+
+  /** Side-channel sockets open (each closed when its handshake ends). */
+  let sockets = 0;
 
   const handshake = async (sock: net.Socket): Promise<void> => {
+    sockets++;
+    sock.once("close", () => sockets--);
     if (closed) return void sock.destroy();
+    const source = canonicalIp(sock.remoteAddress ?? "?");
+    let src = sources.get(source);
+    if (!src) sources.set(source, (src = { sockets: 0, slots: 0 }));
+    if (src.sockets >= socketShare) return void sock.destroy();
+    src.sockets++;
     inProgress++;
     const holder: { rdma: Rdma | null } = { rdma: null };
     let conn: Connection | null = null;
     let fork: Context | null = null;
     let slot = false;
     sock.on("error", () => {});
-    const who = `${canonicalIp(sock.remoteAddress ?? "?")}:${sock.remotePort ?? 0}`;
-    const peerAddr = { address: canonicalIp(sock.remoteAddress ?? ""), port: sock.remotePort ?? 0 };
+    const who = `${source}:${sock.remotePort ?? 0}`;
+    const peerAddr = { address: source, port: sock.remotePort ?? 0 };
     const timer = setTimeout(() => sock.destroy(new Error("timeout")), s.connectTimeoutMs);
     try {
       const reader = new LineReader(sock);
@@ -247,8 +299,14 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
         else if (v.auth !== undefined) {
           throw authRefusal(`client ${who} asked to authenticate, but this listener has no key (setAuth)`, "this server does not authenticate peers (it has no key): the client's key cannot be checked");
         }
+        if (live >= s.maxConnections) {
+          throw new RdmaError("CONNECTION_REFUSED", `the server is full: it holds ${live} connections (its limit); retry later`);
+        }
         if (allocated >= s.maxHandshakes) {
           throw new RdmaError("CONNECTION_REFUSED", `the server is busy: ${allocated} connections are being set up (its limit); retry later`);
+        }
+        if (src.slots >= slotShare) {
+          throw new RdmaError("CONNECTION_REFUSED", `the server is busy: ${src.slots} connections from ${source} are being set up (the most one address may have: half of ${s.maxHandshakes}); retry later`);
         }
       } catch (e) {
         if (e instanceof RdmaError && e.code !== "CONNECTION_CLOSED" && !sock.destroyed) {
@@ -259,9 +317,12 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
       }
       if (closed) throw new RdmaError("CONNECTION_REFUSED", "the listener is closed");
       allocated++;
+      src.slots++;
       slot = true;
       // A protection domain and pool of its own: no other connection can reach what it grants or lends.
-      fork = ctx.fork();
+      // Its release (whichever way the connection ends) frees the connection's place under maxConnections.
+      fork = ctx.fork(() => live--);
+      live++;
       conn = makeConnection(fork, s, { recvDepth: h.recvDepth, eagerMax: h.eagerMax, ...(h.maxMessageSize === undefined ? {} : { maxMessageSize: h.maxMessageSize }) }, holder);
       conn.qp.connect(endpoint, connectAttr(s, h.maxRdAtomic));
       const mine = hello(fork, conn, s);
@@ -272,13 +333,18 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
       sendLine(sock, mine);
       const ready = await reader.nextJson();
       if (ready.ready !== true) throw new RdmaError("PROTOCOL", "the client did not confirm the connection");
+      // The side channel is over: nothing more is read or kept from it (the client sends nothing after "ready").
+      reader.stop();
+      sock.destroy();
       if (conn.failure) throw conn.failure;
-      sock.end();
-      conn.start();
+      // The Rdma, and so the peer's identity, exists before the connection processes any message.
       const rdma = new Rdma(conn, fork, s, null, { ...peerAddr, identity: authed ? authed.identity : null });
-      holder.rdma = rdma;
+      const started = conn;
       conn = null;
       fork = null;
+      startConnection(started, rdma, holder);
+      // A connection that failed as it started (a malformed message sent before "ready") is never handed out.
+      if (started.failure) throw started.failure;
       sink.push(rdma);
     } catch (e) {
       sock.destroy();
@@ -287,14 +353,23 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
     } finally {
       clearTimeout(timer);
       inProgress--;
-      if (slot) allocated--;
+      src.sockets--;
+      if (slot) {
+        allocated--;
+        src.slots--;
+      }
+      if (src.sockets === 0) sources.delete(source);
     }
   };
 
   server.on("connection", (sock) => void handshake(sock));
   try {
     await new Promise<void>((res, reject) => {
-      server.once("error", (e: NodeJS.ErrnoException) => reject(new RdmaError("INVALID_ARGUMENT", `cannot listen on ${addr.host}:${addr.port}: ${e.message}`, { errnoName: e.code ?? "EIO", ...(e.syscall === undefined ? {} : { syscall: e.syscall }), cause: e })));
+      server.once("error", (e: NodeJS.ErrnoException) => {
+        const opts = { errnoName: e.code ?? "EIO", ...(e.syscall === undefined ? {} : { syscall: e.syscall }), cause: e };
+        if (e.code === "EADDRINUSE") reject(new RdmaError("ADDRESS_IN_USE", `cannot listen on ${addr.host}:${addr.port}: the address is in use (another server listens there): choose another port, or stop that server`, opts));
+        else reject(new RdmaError("INVALID_ARGUMENT", `cannot listen on ${addr.host}:${addr.port}: ${e.message}`, opts));
+      });
       server.listen(addr.port, addr.host, () => res());
     });
   } catch (e) {
@@ -307,6 +382,8 @@ async function bind(base: ResolvedSettings, resolve: (attr: DeviceAttr) => Resol
       return { host: a.address, port: a.port };
     },
     handshakes: () => inProgress,
+    sockets: () => sockets,
+    connections: () => live,
     context: () => (closed ? null : ctx),
     close: async () => {
       if (closed) return;

@@ -26,8 +26,11 @@ import { canonicalIp, helloBytes, parseHello } from "../../src/api/handshake.js"
 import type { CmEvent, CmId, Endpoint } from "../../src/transport/types.js";
 import type { TcpDevice } from "../../src/transport/tcp/device.js";
 import { CM, HOST, PROVIDER, at, builder, eventually, pattern } from "../support/api.js";
-import { GID_INDEX, SLOW } from "../support/seam.js";
+import { GID_INDEX, SLOW, deviceNames, openDevice } from "../support/seam.js";
 import { LineProxy, RawClient } from "../support/raw-side-channel.js";
+import { RawAgentPeer } from "../support/agent-peer.js";
+import { MsgType } from "../../src/agent/codec.js";
+import { nameKey } from "../../src/agent/shares.js";
 
 const K1 = "correct horse battery staple #1";
 const K2 = new Uint8Array(32).fill(7);
@@ -47,9 +50,9 @@ const hex = (b: Uint8Array): string => Buffer.from(b.buffer, b.byteOffset, b.byt
 /** Context forks: the first thing a server allocates for a connection (both establishers). */
 const forks = { n: 0 };
 const realFork = Context.prototype.fork;
-Context.prototype.fork = function (this: Context): Context {
+Context.prototype.fork = function (this: Context, ...args: Parameters<Context["fork"]>): Context {
   forks.n++;
-  return realFork.call(this);
+  return realFork.apply(this, args);
 };
 
 let device: TcpDevice | null = null;
@@ -360,6 +363,46 @@ describe(`authenticated connections [${PROVIDER}, ${CM}]`, { timeout: 900_000 },
       return authMac(Buffer.from(key), "side-channel client proof", identity, nc, ns, helloBytes(parseHello(signed, PROVIDER))).toString("base64");
     }
 
+    it("issue 19 point 11: an MR_OPEN sent before 'ready' is judged with the proven identity: allow(peer) is never called without it", async () => {
+      const l = await builder("server")
+        .setAuth({ keys: { guest: K1, admin: K2 } })
+        .bind(at(0));
+      const dev = await openDevice(deviceNames()[1]);
+      const seen: unknown[] = [];
+      try {
+        // a deny-list: everyone but the guest
+        l.share("secret", l.allocLocalMr(64), { allow: (peer) => (seen.push(peer), peer?.identity !== "guest") });
+        const token = 7;
+        const accepted = l.accept({ timeoutMs: 60_000 });
+        const p = await RawAgentPeer.connect(dev, l.port, {
+          auth: { key: K1, identity: "guest" },
+          // the open reaches the server before the connection is confirmed
+          beforeReady: async (q) => {
+            q.send({ type: MsgType.MR_OPEN, token, hash: nameKey("secret").hash });
+            await q.whenSent();
+          },
+        });
+        const rdma = await accepted;
+        try {
+          await p.w.until(() => p.denies.has(token) || (p.receivedByType.get(MsgType.MR_SHARED) ?? 0) > 0 || p.dead !== null, "the answer to the open", 60_000 * SLOW);
+          assert.ok(seen.length > 0, "allow was asked");
+          for (const peer of seen) {
+            assert.ok(peer !== null && typeof peer === "object", `allow was called with ${String(peer)}`);
+            assert.equal((peer as { identity: unknown }).identity, "guest");
+          }
+          assert.equal(p.receivedByType.get(MsgType.MR_SHARED) ?? 0, 0, "the guest did not get the share");
+          assert.ok(p.denies.has(token), "the guest's open was refused");
+          assert.equal(rdma.peer.identity, "guest");
+        } finally {
+          p.close();
+          await rdma.close();
+        }
+      } finally {
+        await l.close();
+        dev.close();
+      }
+    });
+
     it("a recorded valid exchange, replayed verbatim, is refused before anything is allocated", async () => {
       // record a legitimate client's lines through a proxy
       const proxy = await LineProxy.start(shared.port);
@@ -632,6 +675,30 @@ describe(`authenticated connections [${PROVIDER}, ${CM}]`, { timeout: 900_000 },
       }
       assert.equal(children.length, 2, "the client asked for a challenge, then answered it");
       await atBaseline(open, before);
+    });
+
+    it("issue 19 point 13: a forged REQ with a client's challenge nonce (an eavesdropper's) does not use the nonce up: the client's own REQ is accepted", async () => {
+      const ns = await challengeFor(shared.port, "alice");
+      const f0 = forks.n;
+      // the eavesdropper saw the nonce, not the key: its MAC is wrong
+      const forged = await dial(shared.port, encodeAuthConnect(hello, ns, new Uint8Array(CM_NONCE_BYTES).fill(9), Buffer.from(WRONG), "alice", QPN));
+      forged.id.destroy();
+      refusedWith(forged.ev, /wrong key or unknown identity/);
+      assert.equal(forks.n, f0, "nothing allocated for the forgery");
+      // the client the nonce was issued to answers it: accepted
+      const req = encodeAuthConnect(hello, ns, new Uint8Array(CM_NONCE_BYTES).fill(5), Buffer.from(K1), "alice", QPN);
+      const mine = await dial(shared.port, req);
+      try {
+        assert.equal(mine.ev.name, "CONNECT_RESPONSE", `the client's own REQ: ${mine.ev.name} ${JSON.stringify(decodeReject(mine.ev.privateData))}`);
+        mine.id.reject(null);
+      } finally {
+        mine.id.destroy();
+      }
+      // once used, the nonce is spent
+      const again = await dial(shared.port, req);
+      again.id.destroy();
+      refusedWith(again.ev, /unknown, expired or already used/);
+      await settled(shared);
     });
 
     it("outstanding challenges are bounded (16 × maxHandshakes): past that, busy", async () => {

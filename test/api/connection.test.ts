@@ -1,13 +1,19 @@
 /**
  * Connections: listener, one-shot listen, newConnection, connect errors,
- * builder validation, malformed control messages.
+ * builder validation, malformed control messages; the listener's connection
+ * limit (issue 19 point 10), siblings dialing the address reached (point
+ * 13), a port in use (point 19).
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
 import net from "node:net";
-import { RdmaBuilder, RdmaError, type Rdma } from "../../src/index.js";
+import dns from "node:dns";
+import { constants } from "node:os";
+import { RdmaBuilder, RdmaError, type Rdma, type RdmaListener } from "../../src/index.js";
+import { contextStats } from "../../src/api/context.js";
 import { SendFlags, WrOpcode } from "../../src/transport/types.js";
-import { CM, PROVIDER, apiPair, at, builder } from "../support/api.js";
+import { CM, HOST, PROVIDER, apiPair, at, builder, eventually } from "../support/api.js";
+import { SLOW } from "../support/seam.js";
 
 function code(c: string) {
   return (e: unknown) => {
@@ -196,6 +202,94 @@ describe(`API connections [${PROVIDER}, ${CM}]`, () => {
       assert.equal(p.server.closed, false);
     } finally {
       await p.close();
+    }
+  });
+
+  it("issue 19 point 10: a listener holds at most setMaxConnections(n) (default 1024); past it a client is refused as full before anything is allocated; a slot that frees serves the next client", async () => {
+    assert.equal((new RdmaBuilder() as unknown as { s: { maxConnections: number } }).s.maxConnections, 1024);
+    assert.throws(() => new RdmaBuilder().setMaxConnections(0), code("INVALID_ARGUMENT"));
+    const l = await builder("server").setMaxConnections(2).bind(at(0));
+    const open: Rdma[] = [];
+    try {
+      for (let i = 0; i < 2; i++) {
+        const [c, s] = await Promise.all([builder("client").connect(at(l.port)), l.accept({ timeoutMs: 60_000 * SLOW })]);
+        open.push(c, s);
+      }
+      assert.equal(l.stats().connections, 2);
+      const live = contextStats().live;
+      await assert.rejects(builder("client").connect(at(l.port)), (e: unknown) => code("CONNECTION_REFUSED")(e) && /full/.test((e as Error).message));
+      assert.equal(contextStats().live, live, "the refused client cost the server nothing");
+      assert.equal(l.stats().connections, 2);
+      // one connection ends (its client closes it): its place serves the next client
+      await open[0]!.close();
+      await eventually(() => l.stats().connections === 1, 60_000 * SLOW, "the closed connection's place to free");
+      const [c, s] = await Promise.all([builder("client").connect(at(l.port)), l.accept({ timeoutMs: 60_000 * SLOW })]);
+      open.push(c, s);
+      using m = c.allocLocalMr(8);
+      await c.send(m);
+      using r = await s.receive();
+      assert.equal(r.length, 8);
+    } finally {
+      await Promise.all(open.map((r) => r.close()));
+      await l.close();
+    }
+  });
+
+  it("issue 19 point 13: newConnection() dials the address the first connection reached, not the name again (which may now name another server)", { skip: CM !== "tcp" && "a name resolved by Node's dns.lookup (RDMA CM dials the address it resolved too)" }, async () => {
+    const a = await builder("server").bind("127.0.0.1:0");
+    let b: RdmaListener | null = null;
+    const real = dns.lookup;
+    try {
+      b = await builder("server").bind(`127.0.0.2:${a.port}`);
+      // "twins.test" names server a once, then server b
+      let asked = 0;
+      const fake = (host: string, opts: unknown, cb?: unknown): void => {
+        const done = (typeof opts === "function" ? opts : cb) as (err: Error | null, a: unknown, f?: number) => void;
+        if (host !== "twins.test") return void (real as (...x: unknown[]) => void)(host, opts, cb);
+        const address = asked++ === 0 ? "127.0.0.1" : "127.0.0.2";
+        if (typeof opts === "object" && opts !== null && (opts as { all?: boolean }).all) done(null, [{ address, family: 4 }]);
+        else done(null, address, 4);
+      };
+      (dns as unknown as { lookup: unknown }).lookup = fake;
+      const [c, s] = await Promise.all([builder("client").connect(`twins.test:${a.port}`), a.accept({ timeoutMs: 60_000 * SLOW })]);
+      const others: Rdma[] = [c, s];
+      try {
+        const sibling = await c.newConnection();
+        others.push(sibling);
+        const there = await Promise.race([a.accept({ timeoutMs: 60_000 * SLOW }).then((x) => ["a", x] as const), b.accept({ timeoutMs: 60_000 * SLOW }).then((x) => ["b", x] as const)]);
+        others.push(there[1]);
+        assert.equal(there[0], "a", "the sibling reached the first connection's server");
+        assert.equal(sibling.peer.address, "127.0.0.1");
+      } finally {
+        await Promise.all(others.map((r) => r.close()));
+      }
+    } finally {
+      (dns as unknown as { lookup: unknown }).lookup = real;
+      await b?.close();
+      await a.close();
+    }
+  });
+
+  it("issue 19 point 19: a port in use is ADDRESS_IN_USE, with errno, errnoName and syscall as Node reports them", async () => {
+    const l = await builder("server").bind(at(0));
+    try {
+      const e = await builder("server")
+        .bind(at(l.port))
+        .then(
+          async (x) => {
+            await x.close();
+            assert.fail("bound a port in use");
+          },
+          (err: unknown) => err,
+        );
+      code("ADDRESS_IN_USE")(e);
+      const r = e as RdmaError;
+      assert.equal(r.errnoName, "EADDRINUSE");
+      assert.equal(r.errno, -constants.errno.EADDRINUSE);
+      assert.match(String(r.syscall), CM === "tcp" ? /^listen$/ : /^rdma_bind_addr$/);
+      assert.ok(r.message.includes(`${HOST}:${l.port}`) && /in use/.test(r.message), r.message);
+    } finally {
+      await l.close();
     }
   });
 });

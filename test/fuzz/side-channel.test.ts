@@ -16,6 +16,11 @@
  * abandoned tcp QPs back to the baseline), and a legitimate client is
  * served between batches.
  *
+ * After a complete handshake (issue 19 point 5), whatever a client writes on
+ * its side channel (bytes, lines, a line past 16 KiB, another hello, another
+ * "ready"), then keeps open, half-closes or destroys, is never read: the
+ * server closes the socket and the connection lives.
+ *
  * Side channel only (skipped under ASYNC_RDMA_CM=rdmacm, whose establishment
  * has no side channel); counts scaled down on verbs (the guest is 4–7×
  * slower). On verbs a hello must name a GID, which the server does not
@@ -29,7 +34,8 @@ import fc from "fast-check";
 import { RdmaBuilder, RdmaError, type RdmaListener } from "../../src/index.js";
 import type { Device, Endpoint } from "../../src/transport/types.js";
 import { CM, PROVIDER, eventually, pattern } from "../support/api.js";
-import { GID_INDEX, SLOW, deviceNames } from "../support/seam.js";
+import { GID_INDEX, SLOW, deviceNames, openDevice } from "../support/seam.js";
+import { RawAgentPeer } from "../support/agent-peer.js";
 import { Waiter, deadline, fcParams, hex, runs, settledRssMiB, tables, watchUnhandled, type Tables } from "../support/fuzz.js";
 
 const MAX_LINE = 16 * 1024;
@@ -345,6 +351,63 @@ describe(`side channel fuzz [${PROVIDER}]`, { skip: CM !== "tcp" && "the side ch
     console.log(`# ${JSON.stringify(Object.fromEntries([...byKind].sort()))}`);
     assert.deepEqual(tables(dev), base);
     assert.ok(rss - rss0 < 100, `RSS grew by ${(rss - rss0).toFixed(0)} MiB`);
+  });
+
+  it("issue 19 point 5: whatever a client sends on the side channel after 'ready', the server reads none of it, closes it, and the connection lives", async () => {
+    const peerDev = await openDevice(deviceNames()[1]);
+    const hello = JSON.stringify({ asyncRdma: 1, provider: PROVIDER, endpoint: validEndpoint, recvDepth: 32, eagerMax: 4096 }) + "\n";
+    const rejected = listener.stats().rejected;
+    let n = 0;
+    try {
+      const afterReady = fc.tuple(
+        fc.oneof(
+          fc.uint8Array({ maxLength: 20_000 }),
+          fc.array(fc.jsonValue({ maxDepth: 2 }), { maxLength: 50 }).map((vs) => utf8(vs.map((v) => JSON.stringify(v) + "\n").join(""))),
+          fc.integer({ min: 70_000, max: 300_000 }).map((k) => new Uint8Array(k).fill(0x41)),
+          fc.integer({ min: 1, max: 2000 }).map((k) => utf8(`{"x":"${"y".repeat(4000)}"}\n`.repeat(k))),
+          fc.constantFrom('{"ready":true}\n', hello, "GET / HTTP/1.1\r\n\r\n").map(utf8),
+        ),
+        fc.array(fc.nat(), { maxLength: 3 }),
+        fc.constantFrom("keep open", "half-close", "destroy"),
+      );
+      await fc.assert(
+        fc.asyncProperty(afterReady, async ([bytes, cuts, end]) => {
+          const accepted = listener.accept({ timeoutMs: STEP_MS });
+          accepted.catch(() => {});
+          let sock: net.Socket | null = null;
+          const p = await RawAgentPeer.connect(peerDev, listener.port, { afterReady: (x) => (sock = x) });
+          const s0 = sock as net.Socket | null;
+          try {
+            for (const piece of split(bytes, cuts)) {
+              if (s0!.destroyed) break;
+              s0!.write(piece);
+              await new Promise((r) => setImmediate(r));
+            }
+            if (end === "half-close") s0!.end();
+            else if (end === "destroy") s0!.destroy();
+            const rdma = await accepted;
+            try {
+              assert.ok(await p.probe(() => rdma.closed, STEP_MS), "the connection lives");
+              await eventually(() => listener.stats().sockets === 0, STEP_MS, "the server to close the side channel");
+            } finally {
+              await rdma.close();
+            }
+            n++;
+          } finally {
+            s0?.destroy();
+            p.close();
+          }
+        }),
+        fcParams(0x5afe, runs(40, 6)),
+      );
+      assert.equal(listener.stats().rejected, rejected, "every connection was accepted");
+      await eventually(() => listener.stats().handshakes === 0 && held.size === 0 && JSON.stringify(tables(dev)) === JSON.stringify(base), STEP_MS, "nothing held").catch(() => {});
+      assert.deepEqual(tables(dev), base);
+      await legit();
+      console.log(`# ${n} handshakes followed by bytes on the side channel: none read, every connection alive`);
+    } finally {
+      peerDev.close();
+    }
   });
 
   // Found by the fuzz: a line over 16 KiB that arrived in one read used to be accepted.

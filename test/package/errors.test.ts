@@ -30,6 +30,32 @@ describe("RdmaError errno convention", () => {
     assert.equal(e.syscall, "connect");
   });
 
+  it("issue 19 point 19: a port in use is ADDRESS_IN_USE with errno -EADDRINUSE, errnoName and syscall", async () => {
+    const srv = createServer();
+    await new Promise<void>((res) => srv.listen(0, "127.0.0.1", res));
+    const port = (srv.address() as { port: number }).port;
+    try {
+      const e = await new RdmaBuilder()
+        .setProvider("tcp")
+        .bind(`127.0.0.1:${port}`)
+        .then(
+          async (l) => {
+            await l.close();
+            assert.fail("bound a port in use");
+          },
+          (err: unknown) => err,
+        );
+      assert.ok(e instanceof RdmaError);
+      assert.equal(e.code, "ADDRESS_IN_USE");
+      assert.equal(e.errnoName, "EADDRINUSE");
+      assert.equal(e.errno, -constants.errno.EADDRINUSE);
+      assert.equal(getSystemErrorName(e.errno!), "EADDRINUSE");
+      assert.equal(e.syscall, "listen");
+    } finally {
+      await new Promise<void>((res) => srv.close(() => res()));
+    }
+  });
+
   it("errno is undefined without a name, or when the name is not an errno", () => {
     assert.equal(new RdmaError("TIMEOUT", "t").errno, undefined);
     assert.equal(new RdmaError("TIMEOUT", "t").errnoName, undefined);

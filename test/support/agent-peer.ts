@@ -11,7 +11,8 @@
  * Works on both providers (the side channel, not RDMA CM).
  */
 import net from "node:net";
-import { LineReader, PROTOCOL_VERSION, parseHello, peerEndpoint, sendLine } from "../../src/api/handshake.js";
+import { LineReader, PROTOCOL_VERSION, helloBytes, parseHello, peerEndpoint, sendLine } from "../../src/api/handshake.js";
+import { authMac, nonce } from "../../src/api/auth.js";
 import { HDR, MsgType, decodeMsg, encodeMsg, newMsg, type Msg } from "../../src/agent/codec.js";
 import {
   Access,
@@ -47,6 +48,16 @@ export interface RawPeerOptions {
   rndvBytes?: number;
   /** Bytes of our memory we may grant the server (its requestRemoteMr). */
   grantBytes?: number;
+  /** Authenticate (setAuth on the server) with this key as this identity. */
+  auth?: { key: string | Uint8Array; identity: string };
+  /**
+   * Runs once our QP is connected and before the "ready" line: what it sends
+   * on the QP reaches the server before the server's connection has started
+   * (wait for its completion with `whenSent`).
+   */
+  beforeReady?: (p: RawAgentPeer) => Promise<void>;
+  /** Given the side-channel socket after the "ready" line instead of half-closing it (the test owns it then). */
+  afterReady?: (sock: net.Socket) => void;
 }
 
 export interface ServerHello {
@@ -134,7 +145,8 @@ export class RawAgentPeer {
    */
   static async connect(dev: Device, port: number, opts: RawPeerOptions = {}, timeoutMs = 30_000): Promise<RawAgentPeer> {
     const p = new RawAgentPeer(dev, opts);
-    const sock = net.connect({ host: "127.0.0.1", port, noDelay: true });
+    // a test that takes the socket after "ready" decides when it ends (the server's FIN does not end it)
+    const sock = net.connect({ host: "127.0.0.1", port, noDelay: true, allowHalfOpen: opts.afterReady !== undefined });
     sock.on("error", () => {});
     const timer = setTimeout(() => sock.destroy(new Error("timeout")), timeoutMs);
     try {
@@ -147,14 +159,27 @@ export class RawAgentPeer {
       const wrs = [];
       for (let i = 0; i < p.recvDepth; i++) wrs.push({ wrId: recvId(i), sgList: [{ addr: p.recvMr.addr + i * RECV_BUF, length: RECV_BUF, lkey: p.recvMr.lkey }] });
       p.qp.postRecv(wrs);
-      sendLine(sock, { asyncRdma: PROTOCOL_VERSION, provider: PROVIDER, endpoint: p.qp.localEndpoint({ gidIndex: GID_INDEX }), recvDepth: p.recvDepth, eagerMax: 0 });
+      const mine: Record<string, unknown> = { asyncRdma: PROTOCOL_VERSION, provider: PROVIDER, endpoint: p.qp.localEndpoint({ gidIndex: GID_INDEX }), recvDepth: p.recvDepth, eagerMax: 0 };
+      const a = opts.auth;
+      const nc = nonce(16);
+      if (a) mine.auth = { identity: a.identity, nonce: nc.toString("base64") };
+      sendLine(sock, mine);
+      if (a) {
+        // the client's side of the challenge (src/api/sidechannel.ts), without checking the server's proof
+        const ch = (await reader.nextJson()).challenge as { nonce?: string } | undefined;
+        if (!ch?.nonce) throw new Error("the server sent no challenge");
+        const key = typeof a.key === "string" ? Buffer.from(a.key, "utf8") : a.key;
+        sendLine(sock, { proof: authMac(key, "side-channel client proof", a.identity, nc, Buffer.from(ch.nonce, "base64"), helloBytes(parseHello(mine, PROVIDER))).toString("base64") });
+      }
       const reply = parseHello(await reader.nextJson(), PROVIDER);
       p.server = { recvDepth: reply.recvDepth, eagerMax: reply.eagerMax, maxMessageSize: reply.maxMessageSize ?? 0 };
       p.credits = reply.recvDepth;
       p.qp.connect(peerEndpoint(reply.endpoint, sock), { gidIndex: GID_INDEX, timeout: 14, retryCnt: 7, rnrRetry: 7, minRnrTimer: 1 });
-      sendLine(sock, { ready: true });
-      sock.end();
       p.cq.requestNotify();
+      if (opts.beforeReady) await opts.beforeReady(p);
+      sendLine(sock, { ready: true });
+      if (opts.afterReady) opts.afterReady(sock);
+      else sock.end();
       p.drain(false);
       // An agent's first message states its limits (protocol v3): the server hands the connection out once it has them.
       p.send({ type: MsgType.LIMITS, a: 0xffffffff, b: 0xffffffff, addr: 2 ** 40, rkey: 0xffffffff });
@@ -194,6 +219,11 @@ export class RawAgentPeer {
   writeImm(imm: number): void {
     this.queue.push({ bytes: null, imm, honest: false, opcode: WrOpcode.RDMA_WRITE_WITH_IMM });
     this.flush();
+  }
+
+  /** Resolves once everything sent so far has completed (reached the server's receive queue), or our QP died. */
+  async whenSent(ms = 30_000): Promise<void> {
+    await this.w.until(() => (this.outstanding === 0 && this.queue.length === 0) || this.dead !== null, `our SENDs to complete (outstanding ${this.outstanding}, queued ${this.queue.length})`, ms);
   }
 
   /** Queued messages not yet posted (waiting for credits). */

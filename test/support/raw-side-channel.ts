@@ -25,9 +25,10 @@ export class RawClient {
     });
   }
 
-  static open(port: number, host = "127.0.0.1"): Promise<RawClient> {
+  /** `from`: the local address (another loopback address, 127.0.0.2, is another source to the server). */
+  static open(port: number, host = "127.0.0.1", from?: string): Promise<RawClient> {
     return new Promise((resolve, reject) => {
-      const s = net.connect(port, host);
+      const s = net.connect({ port, host, ...(from === undefined ? {} : { localAddress: from }) });
       s.once("connect", () => resolve(new RawClient(s)));
       s.once("error", reject);
     });
