@@ -66,6 +66,8 @@ interface PooledAllocation extends Allocation {
   chunkIndex: number;
   /** `buffer` is an alias of its own (native memory): detachable without freeing. */
   aliased: boolean;
+  /** Received memory to move out, not free, when the pool closes (keep()). */
+  kept: LocalMemory | null;
 }
 
 export interface PoolStats {
@@ -106,7 +108,7 @@ export class MrPool {
     const aliased = this.slabsSupported();
     const buffer = aliased ? mr.aliasBuffer!(mr.offset, size) : mr.buffer;
     const bufOffset = aliased ? 0 : mr.offset;
-    const a: PooledAllocation = { mr, addr: mr.addr, length: size, buffer, bufOffset, mrBufOffset: mr.offset, slab: null, chunkIndex: -1, aliased };
+    const a: PooledAllocation = { mr, addr: mr.addr, length: size, buffer, bufOffset, mrBufOffset: mr.offset, slab: null, chunkIndex: -1, aliased, kept: null };
     this.live.add(a);
     this.liveBytes += size;
     return a;
@@ -187,7 +189,7 @@ export class MrPool {
     const off = idx * cls;
     const buffer = slab.mr.aliasBuffer!(slab.mr.offset + off, size);
     new Uint8Array(buffer).fill(0);
-    const a: PooledAllocation = { mr: slab.mr, addr: slab.mr.addr + off, length: size, buffer, bufOffset: 0, mrBufOffset: slab.mr.offset + off, slab, chunkIndex: idx, aliased: true };
+    const a: PooledAllocation = { mr: slab.mr, addr: slab.mr.addr + off, length: size, buffer, bufOffset: 0, mrBufOffset: slab.mr.offset + off, slab, chunkIndex: idx, aliased: true, kept: null };
     this.live.add(a);
     this.liveBytes += size;
     return a;
@@ -206,30 +208,31 @@ export class MrPool {
   /**
    * Received memory handed to the user, or kept unread past its connection's
    * end: when the pool closes it is moved out (LocalMemory.migrate), not
-   * freed, so a received message stays readable. A LocalMemory leaves the set
-   * when it is freed.
+   * freed, so a received message stays readable. Marked on the allocation
+   * (no set to maintain per message); a LocalMemory is unmarked when freed.
    */
-  private readonly kept = new Set<LocalMemory>();
-
   keep(m: LocalMemory): void {
-    this.kept.add(m);
+    (m.alloc as PooledAllocation).kept = m;
   }
 
   unkeep(m: LocalMemory): void {
-    this.kept.delete(m);
+    const a = m.alloc as PooledAllocation;
+    if (a.kept === m) a.kept = null;
   }
 
   /** Frees everything (the last connection of the pool's family ended), moving kept received memory out first. */
   close(): void {
     if (this.closed) return;
-    for (const m of this.kept) {
+    for (const a of [...this.live]) {
+      const m = a.kept;
+      if (m === null) continue;
+      a.kept = null;
       // A message the user holds is plain memory now: it stops counting as memory the peer makes
       // us hold. One kept unread keeps its charge until it is read or dropped; memory that could
       // not move (lent, in flight) is freed below.
       const moved = m.migrate();
       if (!moved || m.userHeld) m.releaseCharge();
     }
-    this.kept.clear();
     this.closed = true;
     for (const a of [...this.live]) this.free(a);
     for (const list of this.slabs.values()) for (const s of list) s.mr.deregister();
