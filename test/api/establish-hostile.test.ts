@@ -30,7 +30,7 @@ import { CM, PROVIDER, at, builder, eventually, pattern } from "../support/api.j
 import { GID_INDEX, SLOW, deviceNames, openDevice } from "../support/seam.js";
 import { RawAgentPeer } from "../support/agent-peer.js";
 import { RawClient } from "../support/raw-side-channel.js";
-import { Waiter, gc, tables, type Tables } from "../support/fuzz.js";
+import { Waiter, fdCount, gc, tables, type Tables } from "../support/fuzz.js";
 
 const MiB = 2 ** 20;
 const STEP_MS = 60_000 * SLOW;
@@ -262,9 +262,11 @@ describe(`establishment against hostile peers [${PROVIDER}]`, { skip: CM !== "tc
     it("issue 19 point 5: clients that keep their finished side channels open never fill the listener's socket limit (16 with setMaxHandshakes(1))", async () => {
       const l = await builder("server").setMaxHandshakes(1).bind(at(0));
       const kept: net.Socket[] = [];
+      const fd0 = fdCount();
       try {
         for (let i = 0; i < 20; i++) {
           const accepted = l.accept({ timeoutMs: STEP_MS });
+          accepted.catch(() => {}); // awaited below unless the connect fails first
           const p = await RawAgentPeer.connect(peerDev, l.port, { afterReady: (s) => void kept.push(s) });
           const rdma = await accepted;
           // the connection goes; its side channel stays open on the client's side
@@ -272,6 +274,9 @@ describe(`establishment against hostile peers [${PROVIDER}]`, { skip: CM !== "tc
           await rdma.close();
         }
         await eventually(() => l.stats().sockets === 0, STEP_MS, "the server to close every finished side channel");
+        // descriptors: the clients' sockets, none of the server's (the connections' own are closed too)
+        await eventually(() => fdCount() <= fd0 + kept.length, STEP_MS, `the descriptors to come back to ${fd0} + the ${kept.length} the clients keep`).catch(() => {});
+        assert.ok(fdCount() <= fd0 + kept.length, `${fdCount() - fd0} descriptors more than before, with ${kept.length} held by the clients`);
         await legit(l, 7);
       } finally {
         for (const s of kept) s.destroy();
