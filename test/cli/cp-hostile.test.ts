@@ -12,6 +12,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { eventually } from "../support/api.js";
 import { chunkStateBytes } from "../../src/cli/copy/files.js";
+import { SourceShares } from "../../src/cli/copy/serve.js";
 import { cp, DEADLINE, fakeServer, PROVIDER, rawClient, serve, type FakeServer, type RawClient, type Server } from "../support/cp.js";
 
 const isRoot = process.getuid?.() === 0;
@@ -239,6 +240,57 @@ describe(`async-rdma cp / serve against hostile peers [${PROVIDER}]`, { timeout:
     assert.equal(readFileSync(join(base, "got"), "utf8"), "f\n");
     await eventually(() => idle.some((c) => c.rdma.closed), DEADLINE, "an idle connection was ended to make room");
     assert.match(s.err(), /ended an idle connection/);
+  });
+
+  it("issue 19 point 10: serve bounds the connections one client address holds (--max-per-source); a place frees when one ends", async () => {
+    const base = mk("p10");
+    const root = join(base, "served");
+    mkdirSync(root);
+    writeFileSync(join(root, "f"), "f\n");
+    const s = await start(root, ["--read-only", "--max-per-source", "2"]);
+    const a = await connect(s);
+    const b = await connect(s);
+    await a.call("hello", { version: 1, chunk: 4096, depth: 1 });
+    await b.call("hello", { version: 1, chunk: 4096, depth: 1 });
+    // A connection that gets a ring (or the reason it did not: closed at once, as connect or its first call sees it).
+    const tryOne = async (): Promise<RawClient | Error> => {
+      try {
+        const c = await connect(s);
+        await c.call("hello", { version: 1, chunk: 4096, depth: 1 });
+        return c;
+      } catch (e) {
+        return e as Error;
+      }
+    };
+    // The third from the same address is closed at once: nothing is served.
+    const third = await tryOne();
+    assert.ok(third instanceof Error && (third as Error & { code?: string }).code === "CONNECTION_CLOSED", String(third));
+    await eventually(() => /refused a connection from .* holds 2 already \(--max-per-source 2\)/.test(s.err()), DEADLINE, "serve to say why");
+    // One ends: once serve has seen it end (asynchronously), a new connection gets its place.
+    await a.close();
+    const end = performance.now() + DEADLINE;
+    for (;;) {
+      const d = await tryOne();
+      if (!(d instanceof Error)) break;
+      assert.ok(performance.now() < end, `a place never freed after a connection ended: ${d.message}`);
+    }
+    await b.close();
+    const r = await cp([s.at("f"), join(base, "got")]);
+    assert.equal(r.code, 0, r.err + r.out);
+    assert.equal(readFileSync(join(base, "got"), "utf8"), "f\n");
+  });
+
+  it("issue 19 points 9, 10: one client address holds at most half of serve's buffer budget (SourceShares)", () => {
+    const shares = new SourceShares(1024);
+    assert.ok(shares.fits("10.0.0.1", 512));
+    shares.take("10.0.0.1", 256);
+    assert.ok(shares.fits("10.0.0.1", 256));
+    shares.take("10.0.0.1", 256);
+    assert.equal(shares.fits("10.0.0.1", 1), false, "one address never holds more than half");
+    assert.ok(shares.fits("10.0.0.2", 512), "another address still finds its half");
+    shares.give("10.0.0.1", 512);
+    assert.equal(shares.heldBy("10.0.0.1"), 0);
+    assert.ok(shares.fits("10.0.0.1", 512));
   });
 
   it("issue 19 point 8: an upload's claimed size costs compact per-chunk state, charged to the connection's budget and bounded by the free space", async () => {

@@ -18,6 +18,9 @@ import { allocRing, chunkLen, FileSink, FileSource, sameSecond, StateBudget } fr
 import { makeDir, makeLink, mapLimit, peerMode, setTimes, walk } from "./tree.js";
 import { arr, decodeGet, decodePut, failure, fromJson, int, num, smallFiles, str, toJson, VERSION, type Result, type SmallResult } from "./protocol.js";
 
+/** Connections one client address may hold at once (--max-per-source). */
+const DEFAULT_PER_SOURCE = 32;
+
 export const USAGE = `usage: async-rdma serve [dir] [options]
 Serves the directory tree \`dir\` (default: the current directory) to \`async-rdma cp\`.
 Nothing outside it is readable or writable. By default the tree is served
@@ -30,6 +33,7 @@ read-only, on this machine only (127.0.0.1): --bind and --writable say otherwise
       --keep-setid        keep the setuid/setgid bits of uploaded files and directories
                           (by default they are dropped)
       --auth-key-file <f> accept only clients that have this key (16 bytes or more)
+      --max-per-source <n> connections one client address may hold at once (default ${DEFAULT_PER_SOURCE})
       --provider <p>      tcp, verbs or auto (default auto)
   -h, --help              this help
 `;
@@ -46,6 +50,36 @@ const MAX_RING = 256 * 1024 * 1024;
 /** Ring bytes of all connections together: past it a hello is refused (EBUSY), the client may retry later. */
 const MAX_TOTAL_RING = 1024 * 1024 * 1024;
 let ringBytes = 0;
+
+/**
+ * Fair shares per client address, as sshd's MaxStartups: one address holds
+ * at most half of the ring budget, so clients from elsewhere always find
+ * room for a ring (the largest is a quarter of the budget).
+ */
+export class SourceShares {
+  private readonly held = new Map<string, number>();
+  constructor(readonly total: number) {}
+
+  /** Whether `source` may take `n` more bytes. */
+  fits(source: string, n: number): boolean {
+    return (this.held.get(source) ?? 0) + n <= this.total / 2;
+  }
+
+  heldBy(source: string): number {
+    return this.held.get(source) ?? 0;
+  }
+
+  take(source: string, n: number): void {
+    this.held.set(source, (this.held.get(source) ?? 0) + n);
+  }
+
+  give(source: string, n: number): void {
+    const left = (this.held.get(source) ?? 0) - n;
+    if (left > 0) this.held.set(source, left);
+    else this.held.delete(source);
+  }
+}
+const ringShares = new SourceShares(MAX_TOTAL_RING);
 /**
  * A hello that does not fit ends connections that hold a ring and have had
  * no call in flight for this long, longest idle first, so connections that
@@ -147,6 +181,7 @@ class Session {
     // The session is over: no opener is left to wait for (and the ring is freed next).
     void this.share?.revoke({ timeoutMs: 0 });
     ringBytes -= this.counted;
+    ringShares.give(this.rdma.peer.address, this.counted);
     this.counted = 0;
     try {
       this.ring?.dispose();
@@ -161,21 +196,27 @@ class Session {
  * IDLE_EVICT_MS); returns when there is room, or when there cannot be.
  */
 async function makeRoom(need: number, me: Session): Promise<void> {
+  const from = me.rdma.peer.address;
+  // Room in the whole budget and in this address's half of it.
+  const fits = (): boolean => ringBytes + need <= MAX_TOTAL_RING && ringShares.fits(from, need);
   const deadline = performance.now() + IDLE_EVICT_MS;
   for (;;) {
-    if (ringBytes + need <= MAX_TOTAL_RING) return;
-    const idle = [...sessions].filter((x) => x !== me && x.counted > 0 && x.calls === 0).sort((a, b) => a.lastCall - b.lastCall);
+    if (fits()) return;
+    // Over its address's share, only that address's idle connections can make room.
+    const sameSource = !ringShares.fits(from, need);
+    const idle = [...sessions].filter((x) => x !== me && x.counted > 0 && x.calls === 0 && (!sameSource || x.rdma.peer.address === from)).sort((a, b) => a.lastCall - b.lastCall);
     // when ending every idle connection would not make room, waiting is pointless
-    if (ringBytes - idle.reduce((a, x) => a + x.counted, 0) + need > MAX_TOTAL_RING) return;
+    const freed = idle.reduce((a, x) => a + x.counted, 0);
+    if (sameSource ? ringShares.heldBy(from) - freed + need > MAX_TOTAL_RING / 2 : ringBytes - freed + need > MAX_TOTAL_RING) return;
     const now = performance.now();
     let later = Infinity;
     for (const x of idle) {
-      if (ringBytes + need <= MAX_TOTAL_RING) return;
+      if (fits()) return;
       if (now - x.lastCall >= IDLE_EVICT_MS) {
         if (x.calls === 0) await x.evict(); // (still idle: the awaits above let calls in)
       } else later = Math.min(later, x.lastCall + IDLE_EVICT_MS);
     }
-    if (ringBytes + need <= MAX_TOTAL_RING || now >= deadline) return;
+    if (fits() || now >= deadline) return;
     // wait for the next connection to become idle long enough (bounded by the deadline)
     await new Promise((r) => setTimeout(r, Math.max(1, Math.min(later, deadline) - now + 1)));
   }
@@ -224,10 +265,13 @@ function handlers(s: Session): Record<string, RpcHandler> {
       s.greeted = true;
       const chunk = int(o, "chunk", MIN_CHUNK, MAX_CHUNK);
       const depth = Math.min(int(o, "depth", 1, 1024), MAX_DEPTH, Math.floor(MAX_RING / chunk));
-      if (ringBytes + chunk * depth > MAX_TOTAL_RING) await makeRoom(chunk * depth, s);
+      if (ringBytes + chunk * depth > MAX_TOTAL_RING || !ringShares.fits(s.rdma.peer.address, chunk * depth)) await makeRoom(chunk * depth, s);
       if (ringBytes + chunk * depth > MAX_TOTAL_RING) throw new CopyError("EBUSY", `the server is busy: its connections hold ${ringBytes >> 20} MiB of buffers (at most ${MAX_TOTAL_RING >> 20} MiB); retry later or ask for a smaller --chunk/--depth`);
+      const from = s.rdma.peer.address;
+      if (!ringShares.fits(from, chunk * depth)) throw new CopyError("EBUSY", `the server is busy for ${from}: connections from this address hold ${ringShares.heldBy(from) >> 20} MiB of buffers (one address may hold at most half of ${MAX_TOTAL_RING >> 20} MiB); retry later or ask for a smaller --chunk/--depth`);
       if (s.ended) throw new CopyError("PROTOCOL", "the connection ended");
       ringBytes += chunk * depth;
+      ringShares.take(from, chunk * depth);
       s.counted = chunk * depth;
       s.chunk = chunk;
       s.depth = depth;
@@ -479,6 +523,7 @@ export async function serve(args: string[]): Promise<void> {
   let keepSetid = false;
   let keyFile: string | undefined;
   let provider: string | undefined;
+  let perSource = DEFAULT_PER_SOURCE;
   for (let i = 0; i < args.length; i++) {
     const a = args[i]!;
     if (a === "-h" || a === "--help") {
@@ -493,6 +538,7 @@ export async function serve(args: string[]): Promise<void> {
     else if (a === "--keep-setid") keepSetid = true;
     else if (a === "--auth-key-file") keyFile = args[++i];
     else if (a === "--provider") provider = args[++i];
+    else if (a === "--max-per-source") perSource = parseIntArg(args[++i], a, 1, 65535);
     else if (a.startsWith("-")) throw new CopyError("USAGE", `unknown option ${a} (async-rdma serve --help)`);
     else if (dir === undefined) dir = a;
     else throw new CopyError("USAGE", `one directory only (got ${JSON.stringify(dir)} and ${JSON.stringify(a)})`);
@@ -513,7 +559,17 @@ export async function serve(args: string[]): Promise<void> {
   const stop = (): void => void listener.close().finally(() => process.exit(0));
   process.once("SIGINT", stop);
   process.once("SIGTERM", stop);
+  const perAddress = new Map<string, number>();
   for await (const rdma of listener) {
+    // One client address holds at most --max-per-source connections: past it, a new one is closed at once.
+    const from = rdma.peer.address;
+    const n = perAddress.get(from) ?? 0;
+    if (n >= perSource) {
+      console.error(`async-rdma serve: refused a connection from ${from}: it holds ${n} already (--max-per-source ${perSource})`);
+      void rdma.close();
+      continue;
+    }
+    perAddress.set(from, n + 1);
     const session = new Session(rdma, { root, readOnly, keepSetid });
     sessions.add(session);
     // A copy keeps at most its depth (≤ MAX_DEPTH) of chunk calls and a few file calls in flight;
@@ -522,6 +578,11 @@ export async function serve(args: string[]): Promise<void> {
     void new RpcServer(handlers(session), { maxInFlight: MAX_DEPTH + 32 })
       .serve(rdma)
       .catch((e: unknown) => console.error(`async-rdma serve: a connection from ${rdma.peer.address} failed: ${(e as Error).message}`))
-      .finally(() => session.end());
+      .finally(() => {
+        const left = (perAddress.get(from) ?? 1) - 1;
+        if (left > 0) perAddress.set(from, left);
+        else perAddress.delete(from);
+        return session.end();
+      });
   }
 }
