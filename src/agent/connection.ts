@@ -6,7 +6,8 @@
  *
  * Its parts, each owning one invariant behind a narrow host interface:
  * credits.ts (flow control: the peer never sees a SEND without a receive
- * posted, and credits can always flow back), liveness.ts (a dead or stopped
+ * posted, and credits can always flow back), inbox.ts (arrival order,
+ * back-pressure, what stays receivable after the end), liveness.ts (a dead or stopped
  * peer is noticed within keepalive + peer timeout), memory-protocol.ts
  * (grants, lends, shares, quotas and leases), poller.ts (completion polling).
  */
@@ -29,9 +30,10 @@ import type { MemoryRegion } from "../transport/types.js";
 import { LocalMemory, LocalMr, type RemoteLease, type RemoteMr } from "../memory/mr.js";
 import type { Allocation, MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
-import { AbortWatch, AsyncQueue, abortError } from "./queue.js";
+import { AbortWatch, abortError } from "./queue.js";
 import { HDR, MsgType, RndvStatus, decodeMsg, encodeMsg, newMsg, type Msg } from "./codec.js";
 import { Credits, NEED } from "./credits.js";
+import { Inbox, type Incoming, type Received } from "./inbox.js";
 import { Liveness } from "./liveness.js";
 import { MemoryProtocol, type CtrlMsg, type MemoryHost, type PeerLimits } from "./memory-protocol.js";
 import type { Share } from "./shares.js";
@@ -163,14 +165,6 @@ interface Pending {
   hdr: LocalMemory | null;
 }
 
-interface Incoming {
-  ready: boolean;
-  mr: LocalMr | null;
-  imm: number | undefined;
-  /** Rendezvous: the sender's id, whether RNDV_DONE went out, whether the sender cancelled. */
-  rndv: { token: number; len: number; addr: number; rkey: number; done: boolean; cancelled: boolean; started: boolean } | null;
-}
-
 interface RndvOut {
   mr: MemoryRegion;
   resolve: () => void;
@@ -243,11 +237,8 @@ export class Connection implements MemoryHost {
   private flushScheduled = false;
   private readonly poller: Poller;
 
-  private readonly incoming: Incoming[] = [];
-  private readonly recvWaiters: { resolve: (v: { mr: LocalMr; imm: number | undefined }) => void; reject: (e: unknown) => void; cleanup: () => void }[] = [];
-  private readonly writeImms = new AsyncQueue<number>("receiveWriteImm");
-  /** Messages delivered to `incoming` and not yet taken by the user (immediates count apart: writeImms.length). */
-  private heldRecvs = 0;
+  /** What arrived and was not read: arrival order, back-pressure, kept after the end (inbox.ts). */
+  private readonly inbox: Inbox;
 
   private nextToken = 1;
   private readonly rndvOut = new Map<number, RndvOut>();
@@ -260,8 +251,6 @@ export class Connection implements MemoryHost {
   /** Last time the peer showed progress (a completion or an arrival), or this side began to wait. */
 
   failure: RdmaError | null = null;
-  /** The connection ended without this side closing it: messages that arrived whole stay receivable. */
-  private keepUnread = false;
   closing = false;
   private closed = false;
   private readonly onClosed: () => void;
@@ -283,6 +272,7 @@ export class Connection implements MemoryHost {
       leaseGraceMs: opts.leaseGraceMs,
       maxRegionSize: Math.min(pool.pd.device.attr.maxMrSize, 2 ** 32 - 1),
     });
+    this.inbox = new Inbox({ repostRecv: () => this.repostRecv(), failed: () => this.failure }, opts.recvDepth);
     this.live = new Liveness(
       {
         isDown: () => this.failure !== null || this.closing,
@@ -898,79 +888,12 @@ export class Connection implements MemoryHost {
   }
 
   /** Next message in arrival order (eager and rendezvous alike). */
-  receive(signal?: AbortSignal): Promise<{ mr: LocalMr; imm: number | undefined }> {
-    const head = this.incoming[0];
-    if (head?.ready && this.recvWaiters.length === 0) return Promise.resolve(this.takeHead());
-    if (this.failure) return Promise.reject(this.failure);
-    if (signal?.aborted) return Promise.reject(abortError(signal));
-    return new Promise((resolve, reject) => {
-      const onAbort = (): void => {
-        const i = this.recvWaiters.indexOf(w);
-        if (i >= 0) this.recvWaiters.splice(i, 1);
-        reject(abortError(signal!));
-      };
-      const w = { resolve, reject, cleanup: () => signal?.removeEventListener("abort", onAbort) };
-      signal?.addEventListener("abort", onAbort, { once: true });
-      this.recvWaiters.push(w);
-    });
-  }
-
-  private takeHead(): { mr: LocalMr; imm: number | undefined } {
-    const head = this.incoming.shift()!;
-    this.heldRecvs--;
-    // Received memory outlives its connection: the pool moves it out instead of freeing it
-    // (MrPool.keep). One kept past the pool's close was moved already: the user holds plain
-    // memory now, and the peer-memory charge it kept while unread goes back.
-    const mem = head.mr!.mem;
-    mem.userHeld = true;
-    if (mem.pool !== null) mem.pool.keep(mem);
-    else mem.releaseCharge();
-    this.repostHeld();
-    return { mr: head.mr!, imm: head.imm };
-  }
-
-  /** Hands ready messages at the head to waiting receivers, in order. */
-  private deliver(): void {
-    while (this.recvWaiters.length > 0 && this.incoming[0]?.ready) {
-      const w = this.recvWaiters.shift()!;
-      w.cleanup();
-      w.resolve(this.takeHead());
-    }
-  }
-
-  /** Receives not re-posted because too much was held unread: posted as the user reads. */
-  private pendingReposts = 0;
-
-  /**
-   * Unread messages and immediates hold the peer's credits: past half the
-   * receive depth, consumed receives are re-posted only as the user reads,
-   * which throttles the peer instead of growing memory or queues.
-   */
-  private held(): number {
-    return this.heldRecvs + this.writeImms.length;
-  }
-
-  private maxHeld(): number {
-    return Math.max(1, this.opts.recvDepth >> 1);
-  }
-
-  /** A receive was consumed by something the user will read: re-post now, or when the user reads. */
-  private repostOrHold(): void {
-    if (this.held() <= this.maxHeld()) this.repostRecv();
-    else this.pendingReposts++;
-  }
-
-  private repostHeld(): void {
-    while (this.pendingReposts > 0 && this.held() < this.maxHeld()) {
-      this.pendingReposts--;
-      this.repostRecv();
-    }
+  receive(signal?: AbortSignal): Promise<Received> {
+    return this.inbox.receive(signal);
   }
 
   receiveWriteImm(signal?: AbortSignal): Promise<number> {
-    const p = this.writeImms.take({ signal });
-    if (this.pendingReposts > 0) void p.then(() => this.repostHeld(), () => {});
-    return p;
+    return this.inbox.receiveWriteImm(signal);
   }
 
   receiveLocalMr(signal?: AbortSignal): Promise<LocalMr> {
@@ -1112,9 +1035,8 @@ export class Connection implements MemoryHost {
     }
     if (opcode === WcOpcode.RECV_RDMA_WITH_IMM) {
       this.putRecv(mem);
-      this.writeImms.push(imm);
       // An unread immediate holds a credit like an unread message.
-      this.repostOrHold();
+      this.inbox.pushImm(imm);
       return;
     }
     const a = mem.alloc;
@@ -1139,11 +1061,8 @@ export class Connection implements MemoryHost {
           return this.protocolError(`DATA message claims ${m.a} bytes but carries ${byteLen - HDR}`);
         }
         const lmr = new LocalMr(mem, HDR, m.a);
-        this.incoming.push({ ready: true, mr: lmr, imm: m.flags & 1 ? m.imm : undefined, rndv: null });
-        this.heldRecvs++;
-        // The buffer now belongs to the user; post a new one unless too much is held unread.
-        this.repostOrHold();
-        this.deliver();
+        // The buffer now belongs to the user; a new one is posted unless too much is held unread.
+        this.inbox.pushMessage(lmr, m.flags & 1 ? m.imm : undefined);
         return;
       }
       case MsgType.RNDV:
@@ -1169,9 +1088,7 @@ export class Connection implements MemoryHost {
   private onRendezvous(m: Msg): void {
     // `m` is the reused decode buffer: copy what the continuation needs.
     const entry: Incoming = { ready: false, mr: null, imm: m.b === 1 ? m.imm : undefined, rndv: { token: m.token, len: m.a, addr: m.addr, rkey: m.rkey, done: false, cancelled: false, started: false } };
-    this.incoming.push(entry);
-    this.heldRecvs++;
-    this.repostOrHold();
+    this.inbox.pushRendezvous(entry);
     this.rndvWaiting.push(entry);
     this.startRendezvousReads();
   }
@@ -1201,14 +1118,12 @@ export class Connection implements MemoryHost {
         if (r.cancelled) {
           // The sender gave up before we delivered: drop it and say so.
           dst.release();
-          this.dropIncoming(entry);
+          this.inbox.drop(entry);
           this.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, a: RndvStatus.CANCELLED });
           return;
         }
-        entry.ready = true;
-        entry.mr = new LocalMr(dst, 0, r.len);
         this.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, a: RndvStatus.DELIVERED });
-        this.deliver();
+        this.inbox.ready(entry, new LocalMr(dst, 0, r.len));
       };
       this.postTransfer(op, WrOpcode.RDMA_READ, new LocalMr(dst, 0, r.len), r.addr, r.rkey, undefined, 0, true);
     }
@@ -1218,18 +1133,8 @@ export class Connection implements MemoryHost {
     }
   }
 
-  /** Removes an undelivered message from the arrival queue (it no longer holds a credit). */
-  private dropIncoming(entry: Incoming): void {
-    const i = this.incoming.indexOf(entry);
-    if (i < 0) return;
-    this.incoming.splice(i, 1);
-    this.heldRecvs--;
-    this.repostHeld();
-    this.deliver();
-  }
-
   private onRendezvousCancel(token: number): void {
-    const entry = this.incoming.find((e) => e.rndv?.token === token && !e.rndv.done);
+    const entry = this.inbox.findRendezvous(token);
     if (!entry) return; // already delivered (RNDV_DONE sent), or unknown: the sender settles on our RNDV_DONE
     const r = entry.rndv!;
     r.cancelled = true;
@@ -1237,7 +1142,7 @@ export class Connection implements MemoryHost {
     const w = this.rndvWaiting.indexOf(entry);
     if (w >= 0) this.rndvWaiting.splice(w, 1);
     r.done = true;
-    this.dropIncoming(entry);
+    this.inbox.drop(entry);
     this.sendCtrl({ type: MsgType.RNDV_DONE, token, a: RndvStatus.CANCELLED });
   }
 
@@ -1294,24 +1199,8 @@ export class Connection implements MemoryHost {
     this.memory.fail(err);
     for (const r of [...this.rndvOut.values()]) r.reject(err);
     // Messages that arrived whole before the end stay receivable (as a TCP
-    // socket keeps the data before the FIN), unless this side closed: the
-    // ones still being read (rendezvous) are dropped, waiters get the rest.
-    this.keepUnread = !this.closing;
-    if (this.keepUnread) {
-      let j = 0;
-      for (const e of this.incoming) {
-        if (e.ready) this.incoming[j++] = e;
-        // A READ still in flight frees its memory when it completes, however it completes.
-        else if (e.rndv) e.rndv.cancelled = true;
-      }
-      this.incoming.length = j;
-      this.deliver();
-    }
-    for (const w of this.recvWaiters.splice(0)) {
-      w.cleanup();
-      w.reject(err);
-    }
-    this.writeImms.fail(err);
+    // socket keeps the data before the FIN), unless this side closed.
+    this.inbox.fail(err, this.closing);
     // Work that never reached the send queue: freed now, its operations rejected (once each).
     const queued = [...this.creditQ.splice(0), ...this.rdQ.splice(0), ...this.ctrlQ.splice(0), ...this.dataQ.splice(0)];
     const ops = new Map<Op, Pending[]>();
@@ -1402,24 +1291,8 @@ export class Connection implements MemoryHost {
       this.bounce.mem.release();
     }
     // Messages not read yet stay receivable (unless this side closed): the pool moves them out
-    // of registered memory when it closes (MrPool.keep), keeping their peer-memory charge until
-    // they are read or dropped. (Completions drained after fail() may have added entries: keep
-    // the whole ones only.)
-    if (this.keepUnread) {
-      let j = 0;
-      for (const e of this.incoming) {
-        if (e.ready && e.mr) {
-          this.pool.keep(e.mr.mem);
-          this.incoming[j++] = e;
-        }
-      }
-      this.incoming.length = j;
-    } else {
-      for (const e of this.incoming.splice(0)) e.mr?.mem.release();
-    }
-    this.heldRecvs = this.incoming.length;
-    // Immediates that arrived before the end stay receivable like messages (dropped when this side closes).
-    if (!this.keepUnread) this.writeImms.drain();
+    // of registered memory when it closes, keeping their peer-memory charge until read or dropped.
+    this.inbox.teardown();
   }
 
   /**
@@ -1429,7 +1302,7 @@ export class Connection implements MemoryHost {
   abandon(reason: RdmaError): void {
     if (this.closed) return;
     if (!this.failure) this.failure = reason;
-    this.keepUnread = false;
+    this.inbox.abandon();
     this.closed = true;
     this.memory.fail(reason);
     this.releaseAll();
@@ -1445,7 +1318,7 @@ export class Connection implements MemoryHost {
    */
   async close(timeoutMs: number): Promise<void> {
     // Closing this side drops what the peer sent and nobody read.
-    this.dropUnread();
+    if (this.failure) this.inbox.dropUnread(this.closed);
     if (this.closing || this.failure) {
       if (this.failure && !this.closed) await this.waitClosed(timeoutMs);
       return;
@@ -1459,16 +1332,6 @@ export class Connection implements MemoryHost {
     if (timer) clearTimeout(timer);
     this.fail(new RdmaError("CONNECTION_CLOSED", "the connection was closed by this side"));
     await this.waitClosed(timeoutMs);
-  }
-
-  /** Messages kept readable after the connection ended: dropped when this side closes. */
-  private dropUnread(): void {
-    if (!this.failure) return;
-    this.keepUnread = false;
-    if (!this.closed) return; // releaseAll frees them
-    for (const e of this.incoming.splice(0)) e.mr?.mem.release();
-    this.heldRecvs = 0;
-    this.writeImms.drain();
   }
 
   private waitClosed(timeoutMs: number): Promise<void> {
@@ -1487,6 +1350,6 @@ export class Connection implements MemoryHost {
   }
 
   stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number; sharesOpenedByPeer: number; sharesOpened: number; recycledReceives: number; creditMessages: number } {
-    return { credits: this.cr.credits, sqOutstanding: this.sqOutstanding, ...this.memory.stats(), unread: this.held(), rendezvousOut: this.rndvOut.size, recycledReceives: this.recycledRecvs, creditMessages: this.creditMessages };
+    return { credits: this.cr.credits, sqOutstanding: this.sqOutstanding, ...this.memory.stats(), unread: this.inbox.held(), rendezvousOut: this.rndvOut.size, recycledReceives: this.recycledRecvs, creditMessages: this.creditMessages };
   }
 }
