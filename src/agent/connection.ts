@@ -33,6 +33,7 @@ import { peerMemory } from "../memory/budget.js";
 import { AbortWatch, abortError } from "./queue.js";
 import { HDR, MsgType, RndvStatus, decodeMsg, encodeMsg, newMsg, type Msg } from "./codec.js";
 import { Credits, NEED } from "./credits.js";
+import { Bounce } from "./bounce.js";
 import { Inbox, type Incoming, type Received } from "./inbox.js";
 import { Liveness } from "./liveness.js";
 import { MemoryProtocol, type CtrlMsg, type MemoryHost, type PeerLimits } from "./memory-protocol.js";
@@ -95,14 +96,6 @@ export interface PeerParams {
 }
 
 const CTRL_BUF = 64;
-/**
- * Rendezvous messages up to BOUNCE_SLOT bytes are copied into per-connection
- * bounce memory registered once (BOUNCE_SLOTS in flight, 1 MiB when used)
- * instead of registering each message: a registration costs a system call
- * and page pinning on a NIC, more than copying that many bytes.
- */
-const BOUNCE_SLOT = 128 * 1024;
-const BOUNCE_SLOTS = 8;
 /** At least one signaled WR per this many, so the send queue drains under selective signaling. */
 const SIGNAL_EVERY = 32;
 /**
@@ -272,6 +265,7 @@ export class Connection implements MemoryHost {
       leaseGraceMs: opts.leaseGraceMs,
       maxRegionSize: Math.min(pool.pd.device.attr.maxMrSize, 2 ** 32 - 1),
     });
+    this.bounce = new Bounce(pool);
     this.inbox = new Inbox({ repostRecv: () => this.repostRecv(), failed: () => this.failure }, opts.recvDepth);
     this.live = new Liveness(
       {
@@ -672,7 +666,7 @@ export class Connection implements MemoryHost {
     this.nextToken = (this.nextToken + 1) >>> 0 || 1;
     // Mid sizes are copied into this connection's bounce memory (registered once); larger
     // messages get a registration over exactly their bytes, revoked once the peer has them.
-    const slot = this.takeBounce(len);
+    const slot = this.bounce.take(len, this.peer.eagerMax);
     let mr: MemoryRegion;
     let addr: number;
     // Bounce: the bytes are copied into the slot only when the announcement is posted (the
@@ -682,13 +676,12 @@ export class Connection implements MemoryHost {
     const copyIn = (): void => {
       if (copied || slot < 0) return;
       copied = true;
-      const b = this.bounce!;
-      new Uint8Array(b.mem.alloc.buffer, b.mem.alloc.bufOffset + slot * BOUNCE_SLOT, len).set(lmr.bytes);
+      this.bounce.copyIn(slot, lmr.bytes);
       lmr.mem.opDone();
     };
     if (slot >= 0) {
-      mr = this.bounce!.mr;
-      addr = mr.addr + slot * BOUNCE_SLOT;
+      mr = this.bounce.mr;
+      addr = this.bounce.addr(slot);
     } else {
       mr = this.pool.grant(lmr.mem.alloc, lmr.start, len, Access.REMOTE_READ);
       addr = mr.addr;
@@ -704,7 +697,7 @@ export class Connection implements MemoryHost {
         unwatch?.();
         if (slot >= 0) {
           if (!copied) lmr.mem.opDone();
-          this.putBounce(slot, copied && !delivered);
+          this.bounce.put(slot, copied && !delivered);
         } else {
           mr.deregister();
           lmr.mem.opDone();
@@ -752,40 +745,8 @@ export class Connection implements MemoryHost {
     });
   }
 
-  /**
-   * Bounce memory for rendezvous messages of mid size: BOUNCE_SLOTS slots of
-   * BOUNCE_SLOT bytes, allocated on first use and registered once for remote
-   * READ by this connection's peer only (its own protection domain). It only
-   * ever holds bytes sent to that peer; a cancelled message's slot is zeroed.
-   */
-  private bounce: { mem: LocalMemory; mr: MemoryRegion; free: number[] } | null = null;
-  private bounceFailed = false;
-
-  private takeBounce(len: number): number {
-    if (len > BOUNCE_SLOT || len <= this.peer.eagerMax) return -1;
-    if (this.bounceFailed) return -1;
-    if (this.bounce === null) {
-      let mem: LocalMemory | null = null;
-      try {
-        mem = new LocalMemory(this.pool, this.pool.alloc(BOUNCE_SLOT * BOUNCE_SLOTS));
-        const mr = this.pool.grant(mem.alloc, 0, BOUNCE_SLOT * BOUNCE_SLOTS, Access.REMOTE_READ);
-        this.bounce = { mem, mr, free: Array.from({ length: BOUNCE_SLOTS }, (_, i) => BOUNCE_SLOTS - 1 - i) };
-      } catch {
-        // No memory or keys for it (a registration limit): this connection registers per message.
-        mem?.release();
-        this.bounceFailed = true;
-        return -1;
-      }
-    }
-    return this.bounce.free.pop() ?? -1;
-  }
-
-  private putBounce(slot: number, wipe: boolean): void {
-    const b = this.bounce;
-    if (b === null || b.mr.deregistered) return;
-    if (wipe) new Uint8Array(b.mem.alloc.buffer, b.mem.alloc.bufOffset + slot * BOUNCE_SLOT, BOUNCE_SLOT).fill(0);
-    b.free.push(slot);
-  }
+  /** Bounce memory for rendezvous messages of mid size (bounce.ts). */
+  private readonly bounce: Bounce;
 
   private cancelRendezvous(token: number, reason: RdmaError): void {
     const r = this.rndvOut.get(token);
@@ -1286,10 +1247,7 @@ export class Connection implements MemoryHost {
     this.recvSlots.clear();
     for (const h of this.hdrFree.splice(0)) h.release();
     for (const r of this.recvFree.splice(0)) r.release();
-    if (this.bounce) {
-      this.bounce.mr.deregister();
-      this.bounce.mem.release();
-    }
+    this.bounce.release();
     // Messages not read yet stay receivable (unless this side closed): the pool moves them out
     // of registered memory when it closes, keeping their peer-memory charge until read or dropped.
     this.inbox.teardown();
