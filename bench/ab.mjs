@@ -10,6 +10,7 @@
 //
 // Benchmarks (in-process ones hold up on a loaded machine):
 //   rpc-cpu         CPU µs per 32 B echo call, client and server in one process (lower is better)
+//   rpc-cpu-4k      the same with 4 KiB payloads (rendezvous through bounce memory)
 //   send-inprocess  64 B messages/s, sender and receiver in one process (higher is better)
 //   send-4k         4 KiB messages/s, in one process (higher is better)
 //   rpc-vs-node     calls/s at 32 B c=1 (two processes; noisy on a busy machine)
@@ -37,6 +38,7 @@ const CALLS = Number(opt("calls", 10000));
 
 const BENCHES = {
   "rpc-cpu": { args: ["bench/rpc-cpu.mjs", "--runs", "1", "--calls", String(CALLS)], re: /async-rdma\/rpc \(tcp\): min ([\d.]+) µs/, unit: "µs/call", better: "lower" },
+  "rpc-cpu-4k": { args: ["bench/rpc-cpu.mjs", "--runs", "1", "--calls", String(Math.ceil(CALLS / 2)), "--size", "4096"], re: /async-rdma\/rpc \(tcp\): min ([\d.]+) µs/, unit: "µs/call", better: "lower" },
   "send-inprocess": { args: ["bench/send-inprocess.mjs", String(4 * CALLS), "128", "64"], re: /"messagesPerSec":(\d+)/, unit: "msg/s", better: "higher" },
   "send-4k": { args: ["bench/send-inprocess.mjs", String(2 * CALLS), "64", "4000"], re: /"messagesPerSec":(\d+)/, unit: "msg/s", better: "higher" },
   "rpc-vs-node": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32"], re: /\| 32 B \| 1 \| (\d+) \|/, unit: "calls/s", better: "higher" },
