@@ -1,0 +1,129 @@
+/**
+ * Operations and their slots. Every operation the agent runs (a user's send,
+ * write, read or atomic; a control message; a posted receive; the agent's
+ * own rendezvous READ) is one `Op`, and every work request carries an
+ * integer wrId that indexes this table: ids come from a free list, and no
+ * closure is created below the API per work request.
+ *
+ * Invariant: an operation settles exactly once. `end` hands out its
+ * continuations and clears them, so a second settlement (a flushed
+ * completion after a failure, teardown after a lost completion) finds nothing
+ * to call; its pinned memory is unpinned and its abort watch removed with
+ * it, however it ends.
+ */
+import { AbortWatch, abortError } from "./queue.js";
+import type { LocalMemory } from "../memory/mr.js";
+
+export type OpKind = "msg" | "write" | "read" | "atomic" | "recv";
+
+export interface Op {
+  kind: OpKind;
+  resolve: ((v: unknown) => void) | null;
+  reject: ((e: unknown) => void) | null;
+  /** Memory kept alive while the op is in flight. */
+  mems: LocalMemory[];
+  /** A control-message buffer to free on completion. */
+  hdr: LocalMemory | null;
+  /** atomics: where the old value lands. */
+  result: LocalMemory | null;
+  /** Called on success instead of resolve (internal continuations). */
+  then: ((ok: boolean) => void) | null;
+  /** Stops watching the operation's signal (AbortWatch); null when it has none or it ended. */
+  unwatch: (() => void) | null;
+  /** Work requests still to complete (chunked transfers post several). */
+  parts: number;
+  /** Some work request of it reached the send queue (an abort can no longer recall it). */
+  posted: boolean;
+}
+
+export function newOp(kind: OpKind): Op {
+  return { kind, resolve: null, reject: null, mems: [], hdr: null, result: null, then: null, unwatch: null, parts: 1, posted: false };
+}
+
+/** The continuations of an operation that ended, for the caller to run. */
+export interface Ended {
+  resolve: Op["resolve"];
+  reject: Op["reject"];
+  then: Op["then"];
+}
+
+export class OpTable {
+  private slots: (Op | null)[] = [];
+  private readonly freeSlots: number[] = [];
+  /** One abort listener per signal, however many operations wait on it. */
+  readonly aborts = new AbortWatch();
+
+  /**
+   * @param onAbort called when an operation's signal aborts before any of its
+   *   work requests was posted: the owner of the queues removes it and drops it.
+   */
+  constructor(private readonly onAbort: (op: Op, err: unknown) => void) {}
+
+  /** A free wrId for `op`. */
+  slot(op: Op): number {
+    const id = this.freeSlots.pop();
+    if (id !== undefined) {
+      this.slots[id] = op;
+      return id;
+    }
+    this.slots.push(op);
+    return this.slots.length - 1;
+  }
+
+  /** The operation of a completion's wrId, its slot freed; null when it already ended. */
+  take(id: number): Op | null {
+    const op = this.slots[id];
+    if (!op) return null;
+    this.slots[id] = null;
+    this.freeSlots.push(id);
+    return op;
+  }
+
+  /**
+   * The promise of an operation. The caller has checked that `signal` is not
+   * aborted before creating anything. An abort while the operation still
+   * waits in a queue (credits, send-queue room) removes it (`onAbort`): it
+   * never reaches the wire, and rejects with ABORTED. Once posted it cannot
+   * be recalled: it is reported as it completes (done, or its error), never
+   * as aborted while it may still land. The abort listener lives exactly as
+   * long as the operation (`end`).
+   */
+  track<T>(op: Op, signal: AbortSignal | undefined): Promise<T> {
+    return new Promise<T>((resolve, reject) => {
+      op.resolve = resolve as (v: unknown) => void;
+      op.reject = reject;
+      if (signal) {
+        op.unwatch = this.aborts.add(signal, () => {
+          if (op.posted) return; // settles with its completion
+          this.onAbort(op, abortError(signal));
+        });
+      }
+    });
+  }
+
+  /**
+   * An operation ends (once): its memory is unpinned, its abort watch
+   * removed, and its continuations handed to the caller to run.
+   */
+  end(op: Op): Ended {
+    for (const m of op.mems) m.opDone();
+    op.mems = [];
+    op.unwatch?.();
+    op.unwatch = null;
+    const r = { resolve: op.resolve, reject: op.reject, then: op.then };
+    op.resolve = op.reject = op.then = null;
+    return r;
+  }
+
+  /** Empties the table: every operation still in it (a completion that never came), for the caller to settle. */
+  drain(): Op[] {
+    const left: Op[] = [];
+    for (let i = 0; i < this.slots.length; i++) {
+      const op = this.slots[i];
+      if (!op) continue;
+      this.slots[i] = null;
+      left.push(op);
+    }
+    return left;
+  }
+}

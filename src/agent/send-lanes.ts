@@ -1,0 +1,237 @@
+/**
+ * The send lanes: what waits to be posted, in which order, and how it is
+ * posted. Four lanes, drained in this order at each flush:
+ *
+ * - `credit`: CREDIT messages. They may use the last credit, and never wait
+ *   behind messages that are themselves waiting for credits.
+ * - `internal`: the agent's own one-sided work (the READ of a rendezvous
+ *   message it receives). It needs no credit and has no order with the
+ *   user's operations; behind them it could deadlock, since the peer returns
+ *   credits only as this side's messages are read, which may wait for it.
+ * - `ctrl`: control messages (memory protocol, PING/PONG, RNDV_DONE).
+ * - `data`: the user's operations in their order (messages, one-sided work,
+ *   and control messages that must not overtake them).
+ *
+ * Invariants: one `postSend` list per flush (flushes are batched per turn of
+ * the event loop); nothing is posted without the credits credits.ts allows
+ * nor beyond the send queue's depth; each posted list signals its last work
+ * request and at least every SIGNAL_EVERY-th (selective signalling), and a
+ * signalled completion completes every unsignalled request posted before it
+ * (`unsignaledBefore`). A one-sided operation whose remote region was
+ * revoked while it waited is dropped locally, never posted.
+ */
+import { RdmaError } from "../errors.js";
+import { SendFlags, type SendWr } from "../transport/types.js";
+import { LocalMemory, type RemoteLease } from "../memory/mr.js";
+import type { MrPool } from "../memory/pool.js";
+import { NEED, type Credits } from "./credits.js";
+import type { Op } from "./ops.js";
+
+/** Size of a control-message buffer (codec.ts messages fit in it). */
+export const CTRL_BUF = 64;
+/** At least one signaled WR per this many, so the send queue drains under selective signaling. */
+export const SIGNAL_EVERY = 32;
+
+export interface Pending {
+  wr: SendWr;
+  op: Op;
+  /** 0: no credit (one-sided), 1: control, 2: data message, 3: credit message */
+  credit: number;
+  /** The agent's own one-sided work: the `internal` lane (see above). */
+  internal?: boolean;
+  /**
+   * A control message that must not overtake the user's operations queued
+   * before it (the acknowledgement of a revocation): it goes in the data
+   * lane, in order, with a control message's credit need.
+   */
+  ordered?: boolean;
+  /**
+   * The remote region a one-sided operation targets: if its owner revoked it
+   * while the operation still waited in the queue, the operation is dropped
+   * locally (REMOTE_ACCESS) instead of reaching memory that may be gone.
+   */
+  lease?: RemoteLease | undefined;
+  /** Runs when the work request is taken for posting (a rendezvous copies into bounce memory then). */
+  onPost?: () => void;
+  /** control buffer whose header gets the piggybacked credit count */
+  hdr: LocalMemory | null;
+}
+
+/** Credits the head of the data lane needs: a data message, an ordered control message, or one-sided work (none). */
+export function dataNeed(p: Pending): number {
+  return p.credit === 2 ? NEED.data : p.credit === 1 ? NEED.ctrl : 0;
+}
+
+/** What the lanes need from the connection. */
+export interface LanesHost {
+  /** Set once the connection failed: nothing more is posted (but a closing one still sends its CLOSE). */
+  readonly failure: RdmaError | null;
+  /** A wrId for `op` (ops.ts). */
+  slot(op: Op): number;
+  /** An operation none of whose work requests was posted: its resources freed, its promise rejected. */
+  dropQueued(op: Op, parts: Pending[], err: unknown): void;
+  /** Posts one list (already counted in `outstanding`); `wasIdle`: nothing was outstanding before it. */
+  post(batch: SendWr[], wasIdle: boolean): void;
+  /** Queues a CREDIT message (the credit rule asked for one). */
+  sendCredits(): void;
+}
+
+/** Control-message buffers are recycled: no allocation, registration or detach per message. */
+export class HeaderPool {
+  private readonly free: LocalMemory[] = [];
+  constructor(
+    private readonly pool: MrPool,
+    /** Kept at most (the send depth). */
+    private readonly max: number,
+    private readonly ended: () => boolean,
+  ) {}
+
+  take(): LocalMemory {
+    return this.free.pop() ?? new LocalMemory(this.pool, this.pool.alloc(CTRL_BUF));
+  }
+
+  put(h: LocalMemory): void {
+    if (this.ended() || this.free.length >= this.max) h.release();
+    else this.free.push(h);
+  }
+
+  release(): void {
+    for (const h of this.free.splice(0)) h.release();
+  }
+}
+
+export class SendLanes {
+  /** Work requests posted and not completed. */
+  outstanding = 0;
+  /** Slot ids of posted send WRs, in post order (completions arrive in this order). */
+  private fifo: number[] = [];
+  private fifoHead = 0;
+  private sinceSignal = 0;
+  private creditQ: Pending[] = [];
+  private rdQ: Pending[] = [];
+  private ctrlQ: Pending[] = [];
+  private dataQ: Pending[] = [];
+  private flushScheduled = false;
+
+  constructor(
+    private readonly host: LanesHost,
+    private readonly cr: Credits,
+    private readonly sendDepth: number,
+  ) {}
+
+  /** Something waits in a lane. */
+  get waiting(): boolean {
+    return this.creditQ.length > 0 || this.rdQ.length > 0 || this.ctrlQ.length > 0 || this.dataQ.length > 0;
+  }
+
+  /** Queues a work request in its lane; the flush runs once per turn (a microtask). */
+  enqueue(p: Pending): void {
+    // A failed connection posts nothing more: work queued after fail() (a PONG or RNDV_DONE for a
+    // message handled while the failure drains the CQ) is dropped like the work fail() found queued.
+    // Queued, it would be flushed after the teardown freed its buffers.
+    if (this.host.failure) return this.host.dropQueued(p.op, [p], this.host.failure);
+    if (p.internal) this.rdQ.push(p);
+    else if (p.credit === 3) this.creditQ.push(p);
+    else if (p.credit === 1 && !p.ordered) this.ctrlQ.push(p);
+    else this.dataQ.push(p);
+    if (!this.flushScheduled) {
+      this.flushScheduled = true;
+      queueMicrotask(() => this.flush());
+    }
+  }
+
+  /** Posts everything that has credits and send-queue room, as one work-request list. */
+  flush(): void {
+    this.flushScheduled = false;
+    const failure = this.host.failure;
+    if (failure && failure.code !== "CONNECTION_CLOSED") return;
+    const batch: SendWr[] = [];
+    let room = this.sendDepth - this.outstanding;
+    const take = (q: Pending[], min: (p: Pending) => number): void => {
+      while (q.length > 0 && room > 0) {
+        const p = q[0]!;
+        if (p.lease?.revoked && !p.op.posted) {
+          this.dropRevoked(q, p.op);
+          continue;
+        }
+        const need = min(p);
+        if (!this.cr.canSend(need)) break;
+        q.shift();
+        p.op.posted = true;
+        p.onPost?.();
+        this.cr.spend(need);
+        if (p.hdr !== null) {
+          // piggyback the receive buffers we re-posted since the last report
+          const a = p.hdr.alloc;
+          new DataView(a.buffer, a.bufOffset + 4, 4).setUint32(0, this.cr.report());
+        }
+        const id = this.host.slot(p.op);
+        p.wr.wrId = id;
+        this.fifo.push(id);
+        batch.push(p.wr);
+        room--;
+      }
+    };
+    take(this.creditQ, () => NEED.credit);
+    take(this.rdQ, () => 0);
+    take(this.ctrlQ, () => NEED.ctrl);
+    take(this.dataQ, dataNeed);
+    if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
+    if (batch.length === 0) return;
+    // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
+    // the send queue still drains (an unsignaled WR's slot is freed by the next signaled one).
+    for (let i = 0; i < batch.length; i++) {
+      const wr = batch[i]!;
+      if (++this.sinceSignal >= SIGNAL_EVERY || i === batch.length - 1) {
+        wr.flags = (wr.flags ?? 0) | SendFlags.SIGNALED;
+        this.sinceSignal = 0;
+      } else wr.flags = (wr.flags ?? 0) & ~SendFlags.SIGNALED;
+    }
+    const wasIdle = this.outstanding === 0;
+    this.outstanding += batch.length;
+    this.host.post(batch, wasIdle);
+  }
+
+  /**
+   * A signalled completion arrived for `id`: the next earlier (unsignalled,
+   * so silently completed) work request's slot id, or -1 once `id` is reached.
+   */
+  unsignaledBefore(id: number): number {
+    if (this.fifoHead < this.fifo.length) {
+      const sid = this.fifo[this.fifoHead++]!;
+      if (sid !== id) return sid;
+    }
+    if (this.fifoHead > 1024 && this.fifoHead * 2 > this.fifo.length) {
+      this.fifo = this.fifo.slice(this.fifoHead);
+      this.fifoHead = 0;
+    }
+    return -1;
+  }
+
+  /** Removes every queued work request of `op` (only from the data lane when `dataOnly`). */
+  remove(op: Op, dataOnly = false): Pending[] {
+    const mine: Pending[] = [];
+    for (const q of dataOnly ? [this.dataQ] : [this.creditQ, this.rdQ, this.ctrlQ, this.dataQ]) {
+      for (let i = q.length - 1; i >= 0; i--) if (q[i]!.op === op) mine.push(...q.splice(i, 1));
+    }
+    return mine;
+  }
+
+  /** Empties every lane (the connection failed). */
+  takeAll(): Pending[] {
+    return [...this.creditQ.splice(0), ...this.rdQ.splice(0), ...this.ctrlQ.splice(0), ...this.dataQ.splice(0)];
+  }
+
+  /** Sends a CREDIT message when the credit rule (credits.ts) says nothing queued will carry the credits soon. */
+  maybeSendCredits(): void {
+    const d = this.dataQ;
+    if (this.cr.shouldSendCredits({ credit: this.creditQ.length > 0, ctrl: this.ctrlQ.length > 0, data: d.length > 0, dataHeadNeed: d.length > 0 ? dataNeed(d[0]!) : 0 })) this.host.sendCredits();
+  }
+
+  /** Drops a queued one-sided operation (all its parts, at the head of `q`) whose remote region was revoked meanwhile. */
+  private dropRevoked(q: Pending[], op: Op): void {
+    let n = 0;
+    while (n < q.length && q[n]!.op === op) n++;
+    this.host.dropQueued(op, q.splice(0, n), new RdmaError("REMOTE_ACCESS", "the owner revoked this shared region while the operation waited to be posted; nothing reached it"));
+  }
+}
