@@ -429,8 +429,9 @@ describe(`side channel against hostile clients [${PROVIDER}]`, { skip: CM !== "t
           // live memory only: `registrations` counts every registration ever made
           // (minus the connection's own recycled control and receive buffers, which a PING or PONG may add to)
           const own = () => {
-            const k = c.conn as unknown as { hdrFree: { alloc: { length: number } }[]; recvFree: { alloc: { length: number } }[] };
-            const l = [...k.hdrFree, ...k.recvFree];
+            type Spare = { alloc: { length: number } }[];
+            const k = c.conn as unknown as { headers: { free: Spare }; recvs: { spare: Spare } };
+            const l = [...k.headers.free, ...k.recvs.spare];
             return { n: l.length, bytes: l.reduce((t, m) => t + m.alloc.length, 0) };
           };
           const live = () => ({ liveAllocations: c.stats().pool.liveAllocations - own().n, liveBytes: c.stats().pool.liveBytes - own().bytes, contexts: contextStats().live });

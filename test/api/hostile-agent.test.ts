@@ -186,7 +186,7 @@ describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, { timeout: 120_000 * 
       async ({ client, server }) => {
         const limit = peerMemoryUsage().limit;
         setPeerMemoryLimit(peerMemoryUsage().used);
-        (server.conn as unknown as { onRendezvousCancel: () => void }).onRendezvousCancel = () => {};
+        (server.conn as unknown as { rndv: { onCancel: () => void } }).rndv.onCancel = () => {};
         try {
           using big = client.allocLocalMr(64 * 1024);
           await assert.rejects(client.send(big), code("RETRY_EXCEEDED"));
@@ -289,7 +289,7 @@ describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, { timeout: 120_000 * 
       async ({ client, server }) => {
         // Stop the client's agent from answering (as SIGSTOP would; the device may still ACK).
         (client.conn as unknown as { onControl: (m: unknown) => void }).onControl = () => {};
-        (client.conn as unknown as { liveness: () => void }).liveness = () => {};
+        (client.conn as unknown as { live: { stop: () => void } }).live.stop();
         await assert.rejects(server.receive(), code("RETRY_EXCEEDED"));
       },
       { server: (b) => b.setKeepalive(50).setPeerTimeout(500 * SLOW) },
