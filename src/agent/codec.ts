@@ -47,7 +47,7 @@ export const MsgType = {
   RNDV_CANCEL: 15,
   /** Opens a shared region by name (hash in the descriptor bytes); answered by MR_SHARED or MR_DENY. */
   MR_OPEN: 16,
-  /** A shared region opened: id, length, access flags (b), address and rkey. */
+  /** A shared region opened: id, length, access flags (imm), address and rkey. */
   MR_SHARED: 17,
   /** The owner revoked a shared region (token: the open's id). */
   MR_REVOKED: 18,
@@ -154,4 +154,178 @@ export function decodeMsg(src: Uint8Array, len: number, out: Msg): string | null
 
 export function newMsg(): Msg {
   return { type: 0, flags: 0, credits: 0, imm: 0, token: 0, a: 0, b: 0, addr: 0, rkey: 0, id: 0 };
+}
+
+// ------------------------------------------------------------ typed messages
+//
+// Each control message kind with its fields named. `toWire` and `fromWire`
+// are the one place that knows which generic header slot (a, b, imm, addr,
+// rkey, id) carries which field; no other code reads a generic slot of a
+// control message.
+
+/** Access flags (verbs Access bits) a grant, lend or share gives. */
+type AccessFlags = number;
+
+export type CtrlMessage =
+  | { type: typeof MsgType.RNDV; token: number; length: number; addr: number; rkey: number; imm: number | undefined }
+  | { type: typeof MsgType.RNDV_DONE; token: number; status: number }
+  | { type: typeof MsgType.RNDV_CANCEL; token: number }
+  | { type: typeof MsgType.CREDIT }
+  | { type: typeof MsgType.PING; token: number }
+  | { type: typeof MsgType.PONG; token: number }
+  | { type: typeof MsgType.CLOSE }
+  | { type: typeof MsgType.MR_REQUEST; token: number; size: number; leaseMs: number; access: AccessFlags }
+  | { type: typeof MsgType.MR_GRANT; token: number; id: number; size: number; leaseMs: number; addr: number; rkey: number; access: AccessFlags }
+  /** `value`: the bytes in use (QUOTA) or the owner's maximum lease (LEASE_TOO_LONG); `regions`: regions in use (QUOTA). */
+  | { type: typeof MsgType.MR_DENY; token: number; reason: number; value: number; regions: number }
+  | { type: typeof MsgType.MR_RELEASE; token: number }
+  | { type: typeof MsgType.MR_LEND; token: number; size: number; leaseMs: number; addr: number; rkey: number; access: AccessFlags }
+  | { type: typeof MsgType.MR_RETURN; token: number }
+  | { type: typeof MsgType.MR_GIVE_BACK; token: number; lent: boolean }
+  | { type: typeof MsgType.MR_OPEN; token: number; hash: Uint8Array }
+  | { type: typeof MsgType.MR_SHARED; token: number; id: number; size: number; access: AccessFlags; addr: number; rkey: number }
+  | { type: typeof MsgType.MR_REVOKED; token: number }
+  | { type: typeof MsgType.MR_RENEW; token: number; leaseMs: number; lent: boolean }
+  | { type: typeof MsgType.MR_RENEWED; token: number; status: number; leaseMs: number }
+  | { type: typeof MsgType.LIMITS; maxLeaseMs: number; maxMessageSize: number; quotaBytes: number; maxRegions: number };
+
+/** The generic header form of a typed control message (what encodeMsg writes). */
+export function toWire(c: CtrlMessage): Msg {
+  const m = newMsg();
+  m.type = c.type;
+  switch (c.type) {
+    case MsgType.RNDV:
+      m.token = c.token;
+      m.a = c.length;
+      m.addr = c.addr;
+      m.rkey = c.rkey;
+      m.b = c.imm === undefined ? 0 : 1;
+      m.imm = c.imm ?? 0;
+      break;
+    case MsgType.RNDV_DONE:
+    case MsgType.MR_RENEWED:
+      m.token = c.token;
+      m.a = c.status;
+      if (c.type === MsgType.MR_RENEWED) m.b = c.leaseMs;
+      break;
+    case MsgType.CREDIT:
+    case MsgType.CLOSE:
+      break;
+    case MsgType.MR_REQUEST:
+      m.token = c.token;
+      m.a = c.size;
+      m.b = c.leaseMs;
+      m.imm = c.access;
+      break;
+    case MsgType.MR_GRANT:
+    case MsgType.MR_LEND:
+      m.token = c.token;
+      if (c.type === MsgType.MR_GRANT) m.id = c.id;
+      m.a = c.size;
+      m.b = c.leaseMs;
+      m.addr = c.addr;
+      m.rkey = c.rkey;
+      m.imm = c.access;
+      break;
+    case MsgType.MR_DENY:
+      m.token = c.token;
+      m.a = c.reason;
+      m.b = c.value;
+      m.imm = c.regions;
+      break;
+    case MsgType.MR_GIVE_BACK:
+    case MsgType.MR_RENEW:
+      m.token = c.token;
+      m.a = c.lent ? 1 : 0;
+      if (c.type === MsgType.MR_RENEW) m.b = c.leaseMs;
+      break;
+    case MsgType.MR_OPEN:
+      m.token = c.token;
+      m.hash = c.hash;
+      break;
+    case MsgType.MR_SHARED:
+      m.token = c.token;
+      m.id = c.id;
+      m.a = c.size;
+      m.imm = c.access;
+      m.addr = c.addr;
+      m.rkey = c.rkey;
+      break;
+    case MsgType.LIMITS:
+      m.a = c.maxLeaseMs;
+      m.b = c.maxMessageSize;
+      m.addr = c.quotaBytes;
+      m.rkey = c.maxRegions;
+      break;
+    default:
+      // RNDV_CANCEL, PING, PONG, MR_RELEASE, MR_RETURN, MR_REVOKED: a token only
+      m.token = c.token;
+  }
+  return m;
+}
+
+/** The typed form of a decoded control message (decodeMsg checked it; DATA is not one). */
+export function fromWire(m: Msg): CtrlMessage {
+  const token = m.token;
+  switch (m.type) {
+    case MsgType.RNDV:
+      return { type: MsgType.RNDV, token, length: m.a, addr: m.addr, rkey: m.rkey, imm: m.b === 1 ? m.imm : undefined };
+    case MsgType.RNDV_DONE:
+      return { type: MsgType.RNDV_DONE, token, status: m.a };
+    case MsgType.MR_RENEWED:
+      return { type: MsgType.MR_RENEWED, token, status: m.a, leaseMs: m.b };
+    case MsgType.CREDIT:
+      return CREDIT;
+    case MsgType.CLOSE:
+      return { type: MsgType.CLOSE };
+    case MsgType.MR_REQUEST:
+      return { type: MsgType.MR_REQUEST, token, size: m.a, leaseMs: m.b, access: m.imm };
+    case MsgType.MR_GRANT:
+      return { type: MsgType.MR_GRANT, token, id: m.id, size: m.a, leaseMs: m.b, addr: m.addr, rkey: m.rkey, access: m.imm };
+    case MsgType.MR_LEND:
+      return { type: MsgType.MR_LEND, token, size: m.a, leaseMs: m.b, addr: m.addr, rkey: m.rkey, access: m.imm };
+    case MsgType.MR_DENY:
+      return { type: MsgType.MR_DENY, token, reason: m.a, value: m.b, regions: m.imm };
+    case MsgType.MR_GIVE_BACK:
+      return { type: MsgType.MR_GIVE_BACK, token, lent: m.a === 1 };
+    case MsgType.MR_RENEW:
+      return { type: MsgType.MR_RENEW, token, leaseMs: m.b, lent: m.a === 1 };
+    case MsgType.MR_OPEN:
+      return { type: MsgType.MR_OPEN, token, hash: m.hash! };
+    case MsgType.MR_SHARED:
+      return { type: MsgType.MR_SHARED, token, id: m.id, size: m.a, access: m.imm, addr: m.addr, rkey: m.rkey };
+    case MsgType.LIMITS:
+      return { type: MsgType.LIMITS, maxLeaseMs: m.a, maxMessageSize: m.b, quotaBytes: m.addr, maxRegions: m.rkey };
+    case MsgType.RNDV_CANCEL:
+    case MsgType.PING:
+    case MsgType.PONG:
+    case MsgType.MR_RELEASE:
+    case MsgType.MR_RETURN:
+    case MsgType.MR_REVOKED:
+      return { type: m.type, token };
+    default:
+      throw new RangeError(`fromWire: message type ${m.type} is not a control message`);
+  }
+}
+
+const CREDIT: CtrlMessage = Object.freeze({ type: MsgType.CREDIT });
+
+/** DATA: the payload length (header slot `a`). */
+export function dataLength(m: Msg): number {
+  return m.a;
+}
+
+/** DATA: the user's immediate, when flagged. */
+export function dataImm(m: Msg): number | undefined {
+  return m.flags & 1 ? m.imm : undefined;
+}
+
+/** Encodes the DATA header for a `length`-byte payload (credits are filled in when posted). */
+export function encodeData(dst: Uint8Array, length: number, imm: number | undefined): number {
+  const m = newMsg();
+  m.type = MsgType.DATA;
+  m.flags = imm === undefined ? 0 : 1;
+  m.imm = imm ?? 0;
+  m.a = length;
+  return encodeMsg(dst, m);
 }

@@ -35,7 +35,7 @@ import {
 import { LocalMemory, LocalMr, type RemoteLease, type RemoteMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { abortError } from "./queue.js";
-import { HDR, MsgType, decodeMsg, encodeMsg, newMsg, type Msg } from "./codec.js";
+import { HDR, MsgType, dataImm, dataLength, decodeMsg, encodeData, encodeMsg, fromWire, newMsg, toWire, type CtrlMessage, type Msg } from "./codec.js";
 import { Credits } from "./credits.js";
 import { Bounce } from "./bounce.js";
 import { Inbox, type Received } from "./inbox.js";
@@ -233,7 +233,7 @@ export class Connection implements MemoryHost {
       {
         isDown: () => this.failure !== null || this.closing,
         outstanding: () => this.lanes.outstanding,
-        ping: () => this.sendCtrl({ type: MsgType.PING }),
+        ping: () => this.sendCtrl({ type: MsgType.PING, token: 0 }),
         expire: (err) => this.fail(err),
       },
       opts.keepaliveMs,
@@ -298,9 +298,8 @@ export class Connection implements MemoryHost {
   /** Encodes a control message into a recycled small buffer and queues its SEND. */
   sendCtrl(m: CtrlMsg, op: Op | null = null, credit = 1, ordered = false): void {
     const mem = this.headers.take();
-    const full: Msg = { flags: 0, credits: 0, imm: 0, token: 0, a: 0, b: 0, addr: 0, rkey: 0, id: 0, ...m };
     const a = mem.alloc;
-    const len = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), full);
+    const len = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), toWire(m));
     const o = op ?? newOp("msg");
     o.hdr = mem;
     this.lanes.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: len, lkey: a.mr.lkey }] }, op: o, credit, hdr: mem, ordered });
@@ -372,7 +371,7 @@ export class Connection implements MemoryHost {
       const op = newOp("msg");
       const hdr = this.headers.take();
       const a = hdr.alloc;
-      encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.DATA, flags: imm === undefined ? 0 : 1, credits: 0, imm: imm ?? 0, token: 0, a: len, b: 0, addr: 0, rkey: 0, id: 0 });
+      encodeData(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), len, imm);
       op.hdr = hdr;
       lmr.mem.inflight++;
       op.mems.push(lmr.mem);
@@ -631,31 +630,35 @@ export class Connection implements MemoryHost {
     if (m.credits > 0 && this.lanes.waiting) this.lanes.flush();
     switch (m.type) {
       case MsgType.DATA: {
-        if (byteLen - HDR !== m.a) {
+        const len = dataLength(m);
+        if (byteLen - HDR !== len) {
           mem.release();
-          return this.protocolError(`DATA message claims ${m.a} bytes but carries ${byteLen - HDR}`);
+          return this.protocolError(`DATA message claims ${len} bytes but carries ${byteLen - HDR}`);
         }
-        const lmr = new LocalMr(mem, HDR, m.a);
+        const lmr = new LocalMr(mem, HDR, len);
         // The buffer now belongs to the user; a new one is posted unless too much is held unread.
-        this.inbox.pushMessage(lmr, m.flags & 1 ? m.imm : undefined);
+        this.inbox.pushMessage(lmr, dataImm(m));
         return;
       }
-      case MsgType.RNDV:
+      case MsgType.RNDV: {
         this.recvs.put(mem);
-        if (m.a > this.opts.maxMessageSize) {
-          return this.protocolError(`rendezvous message of ${m.a} bytes exceeds this side's maxMessageSize (${this.opts.maxMessageSize})`);
+        const r = fromWire(m);
+        if (r.type !== MsgType.RNDV) return;
+        if (r.length > this.opts.maxMessageSize) {
+          return this.protocolError(`rendezvous message of ${r.length} bytes exceeds this side's maxMessageSize (${this.opts.maxMessageSize})`);
         }
-        if (m.a === 0) return this.protocolError("rendezvous message of 0 bytes");
-        return this.rndv.onAnnounce(m);
+        if (r.length === 0) return this.protocolError("rendezvous message of 0 bytes");
+        return this.rndv.onAnnounce(r);
+      }
       default:
         this.recvs.put(mem);
         if (m.type === MsgType.CREDIT) this.cr.echoed();
         this.recvs.repost();
-        return this.onControl(m);
+        return this.onControl(fromWire(m));
     }
   }
 
-  private onControl(m: Msg): void {
+  private onControl(m: CtrlMessage): void {
     switch (m.type) {
       case MsgType.CREDIT:
         return;
@@ -664,7 +667,7 @@ export class Connection implements MemoryHost {
       case MsgType.PONG:
         return;
       case MsgType.RNDV_DONE:
-        return this.rndv.onDone(m.token, m.a);
+        return this.rndv.onDone(m.token, m.status);
       case MsgType.RNDV_CANCEL:
         return this.rndv.onCancel(m.token);
       case MsgType.CLOSE:

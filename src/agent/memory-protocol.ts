@@ -26,7 +26,10 @@ import { LocalMemory, LocalMr, RemoteLease, RemoteMr, type RemoteAccess } from "
 import type { MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
 import { AsyncQueue, abortError } from "./queue.js";
-import { DenyReason, MsgType, RenewStatus, type Msg } from "./codec.js";
+import { DenyReason, MsgType, RenewStatus, type CtrlMessage } from "./codec.js";
+
+/** The control message of one kind. */
+type Kind<T extends CtrlMessage["type"]> = Extract<CtrlMessage, { type: T }>;
 import { borrowerDeadline, longTimeout, ownerRevokeDelay } from "./leases.js";
 import { accessFlags, hashKey, nameKey, type Share, type ShareAccess, type ShareOpener } from "./shares.js";
 
@@ -55,7 +58,8 @@ export interface PeerLimits {
 /** Regions lent to this side and not yet taken with receiveRemoteMr, before the peer is in breach. */
 export const MAX_UNCLAIMED_LENDS = 1024;
 
-export type CtrlMsg = Partial<Msg> & { type: number };
+/** A control message to send (codec.ts names each kind's fields). */
+export type CtrlMsg = CtrlMessage;
 
 /** @internal */
 /** What the memory protocol needs from its connection. */
@@ -267,35 +271,35 @@ export class MemoryProtocol {
         name,
       });
       if (hash) this.host.sendCtrl({ type: MsgType.MR_OPEN, token, hash });
-      else this.host.sendCtrl({ type: MsgType.MR_REQUEST, token, a: size, b: leaseMs, imm: accessFlags(kind as ShareAccess) });
+      else this.host.sendCtrl({ type: MsgType.MR_REQUEST, token, size, leaseMs, access: accessFlags(kind as ShareAccess) });
     });
   }
 
-  private onGrant(m: Msg): void {
+  private onGrant(m: Kind<typeof MsgType.MR_GRANT>): void {
     const r = this.requests.get(m.token);
     if (!r || r.kind === "open") {
       // The request timed out or was aborted: give the memory straight back.
       this.host.sendCtrl({ type: MsgType.MR_RELEASE, token: m.id });
       return;
     }
-    const access = accessOfFlags(m.imm);
-    if (access !== r.kind) return this.host.protocolError(`MR_GRANT gives access 0x${m.imm.toString(16)}, not what was requested`);
-    if (m.a !== r.size) return this.host.protocolError(`MR_GRANT of ${m.a} bytes for a request of ${r.size}`);
-    const lease = new RemoteLease(m.id, borrowerDeadline(r.sentAt, Math.min(m.b, r.leaseMs)), (t) => this.releaseRemote(t, "granted"));
+    const access = accessOfFlags(m.access);
+    if (access !== r.kind) return this.host.protocolError(`MR_GRANT gives access 0x${m.access.toString(16)}, not what was requested`);
+    if (m.size !== r.size) return this.host.protocolError(`MR_GRANT of ${m.size} bytes for a request of ${r.size}`);
+    const lease = new RemoteLease(m.id, borrowerDeadline(r.sentAt, Math.min(m.leaseMs, r.leaseMs)), (t) => this.releaseRemote(t, "granted"));
     lease.owner = r.owner;
     lease.renewer = (rmr, ms, signal) => this.renew(rmr, ms, signal);
-    r.resolve(new RemoteMr(m.addr, m.a, m.rkey, lease, "granted", access));
+    r.resolve(new RemoteMr(m.addr, m.size, m.rkey, lease, "granted", access));
   }
 
-  private onShared(m: Msg): void {
+  private onShared(m: Kind<typeof MsgType.MR_SHARED>): void {
     const r = this.requests.get(m.token);
     if (!r || r.kind !== "open") {
       // Timed out or aborted meanwhile: close it again.
       this.host.sendCtrl({ type: MsgType.MR_RELEASE, token: m.id });
       return;
     }
-    const access = accessOfFlags(m.imm);
-    if (access === null) return this.host.protocolError(`MR_SHARED with access flags 0x${m.imm.toString(16)}`);
+    const access = accessOfFlags(m.access);
+    if (access === null) return this.host.protocolError(`MR_SHARED with access flags 0x${m.access.toString(16)}`);
     if (this.openedRemote.has(m.id)) return this.host.protocolError(`MR_SHARED reuses the id ${m.id} of an open shared region`);
     const lease = new RemoteLease(m.id, Infinity, (t) => {
       this.openedRemote.delete(t);
@@ -303,20 +307,20 @@ export class MemoryProtocol {
     });
     lease.owner = r.owner;
     this.openedRemote.set(m.id, lease);
-    r.resolve(new RemoteMr(m.addr, m.a, m.rkey, lease, "shared", access));
+    r.resolve(new RemoteMr(m.addr, m.size, m.rkey, lease, "shared", access));
   }
 
-  private onDeny(m: Msg): void {
+  private onDeny(m: Kind<typeof MsgType.MR_DENY>): void {
     const r = this.requests.get(m.token);
     if (!r) return;
     const what = r.kind === "open" ? `openSharedMr(${JSON.stringify(r.name)})` : `requestRemoteMr(${r.size})`;
     const lim = this.peerLimits;
     let code: RdmaErrorCode;
     let why: string;
-    switch (m.a) {
+    switch (m.reason) {
       case DenyReason.QUOTA:
         code = "QUOTA_EXCEEDED";
-        why = `the peer's quota for this connection is used up: ${m.b} bytes in ${m.imm} regions in use${lim ? ` of ${lim.quotaBytes} bytes and ${lim.maxRegions} regions` : ""}; release remote regions first, or ask with { waitForQuota: true }`;
+        why = `the peer's quota for this connection is used up: ${m.value} bytes in ${m.regions} regions in use${lim ? ` of ${lim.quotaBytes} bytes and ${lim.maxRegions} regions` : ""}; release remote regions first, or ask with { waitForQuota: true }`;
         break;
       case DenyReason.BUDGET:
         code = "QUOTA_EXCEEDED";
@@ -332,7 +336,7 @@ export class MemoryProtocol {
         break;
       case DenyReason.LEASE_TOO_LONG:
         code = "OUT_OF_RANGE";
-        why = `a lease of ${r.leaseMs} ms is longer than the peer gives (its maximum is ${m.b} ms)`;
+        why = `a lease of ${r.leaseMs} ms is longer than the peer gives (its maximum is ${m.value} ms)`;
         break;
       default:
         code = "RESOURCE_EXHAUSTED";
@@ -378,39 +382,39 @@ export class MemoryProtocol {
         leaseMs,
         lease: rmr.lease,
       });
-      this.host.sendCtrl({ type: MsgType.MR_RENEW, token: id, b: leaseMs, a: rmr.origin === "lent" ? 1 : 0 });
+      this.host.sendCtrl({ type: MsgType.MR_RENEW, token: id, leaseMs, lent: rmr.origin === "lent" });
     });
   }
 
-  private onRenewed(m: Msg): void {
+  private onRenewed(m: Kind<typeof MsgType.MR_RENEWED>): void {
     const r = this.renewals.get(m.token);
     if (!r) return;
-    if (m.a === RenewStatus.OK) {
+    if (m.status === RenewStatus.OK) {
       // The one deadline rule: from this side's request, with what the owner applied.
-      r.lease.extend(borrowerDeadline(r.sentAt, Math.min(m.b, r.leaseMs)));
+      r.lease.extend(borrowerDeadline(r.sentAt, Math.min(m.leaseMs, r.leaseMs)));
       r.resolve();
-    } else if (m.a === RenewStatus.TOO_LONG) {
-      r.reject(new RdmaError("OUT_OF_RANGE", `renew: a lease of ${r.leaseMs} ms is longer than the peer gives (its maximum is ${m.b} ms)`));
+    } else if (m.status === RenewStatus.TOO_LONG) {
+      r.reject(new RdmaError("OUT_OF_RANGE", `renew: a lease of ${r.leaseMs} ms is longer than the peer gives (its maximum is ${m.leaseMs} ms)`));
     } else {
       r.reject(new RdmaError("LEASE_EXPIRED", "renew: the owner no longer has this region (its lease ended); request a new one"));
     }
   }
 
   /** Owner side of MR_RENEW: the revoke moves to lease + grace from now. */
-  private onRenew(m: Msg): void {
-    const answer = (status: number, b: number): void => this.host.sendCtrl({ type: MsgType.MR_RENEWED, token: m.token, a: status, b });
-    const e: Exposed | undefined = m.a === 1 ? this.lends.get(m.token) : this.grants.get(m.token);
+  private onRenew(m: Kind<typeof MsgType.MR_RENEW>): void {
+    const answer = (status: number, leaseMs: number): void => this.host.sendCtrl({ type: MsgType.MR_RENEWED, token: m.token, status, leaseMs });
+    const e: Exposed | undefined = m.lent ? this.lends.get(m.token) : this.grants.get(m.token);
     if (!e) return answer(RenewStatus.UNKNOWN, 0);
-    if (m.b > this.limits.maxLeaseMs) return answer(RenewStatus.TOO_LONG, this.limits.maxLeaseMs);
-    const lease = m.b || this.limits.defaultLeaseMs;
+    if (m.leaseMs > this.limits.maxLeaseMs) return answer(RenewStatus.TOO_LONG, this.limits.maxLeaseMs);
+    const lease = m.leaseMs || this.limits.defaultLeaseMs;
     // A lend keeps this side's own memory from it: renewals cannot carry it past the maximum lease from the lend.
-    if (m.a === 1) {
+    if (m.lent) {
       const left = Math.floor(e.since + this.limits.maxLeaseMs - performance.now());
       if (lease > left) return answer(RenewStatus.TOO_LONG, Math.max(0, left));
     }
     e.timer?.cancel();
     const id = m.token;
-    e.timer = m.a === 1 ? longTimeout(() => this.endLend(id, false), ownerRevokeDelay(lease, this.limits.leaseGraceMs)) : longTimeout(() => this.endGrant(id)?.mem.release(), ownerRevokeDelay(lease, this.limits.leaseGraceMs));
+    e.timer = m.lent ? longTimeout(() => this.endLend(id, false), ownerRevokeDelay(lease, this.limits.leaseGraceMs)) : longTimeout(() => this.endGrant(id)?.mem.release(), ownerRevokeDelay(lease, this.limits.leaseGraceMs));
     answer(RenewStatus.OK, lease);
   }
 
@@ -420,16 +424,16 @@ export class MemoryProtocol {
   sendLimits(maxMessageSize: number): void {
     this.host.sendCtrl({
       type: MsgType.LIMITS,
-      a: Math.min(this.limits.maxLeaseMs, 0xffffffff),
-      b: Math.min(maxMessageSize, 0xffffffff),
-      addr: Math.min(this.limits.quotaBytes, Number.MAX_SAFE_INTEGER),
-      rkey: Math.min(this.limits.maxRegions, 0xffffffff),
+      maxLeaseMs: Math.min(this.limits.maxLeaseMs, 0xffffffff),
+      maxMessageSize: Math.min(maxMessageSize, 0xffffffff),
+      quotaBytes: Math.min(this.limits.quotaBytes, Number.MAX_SAFE_INTEGER),
+      maxRegions: Math.min(this.limits.maxRegions, 0xffffffff),
     });
   }
 
-  private onLimits(m: Msg): void {
+  private onLimits(m: Kind<typeof MsgType.LIMITS>): void {
     if (this.peerLimits) return this.host.protocolError("LIMITS sent twice");
-    this.peerLimits = { maxLeaseMs: m.a, maxMessageSize: m.b, quotaBytes: m.addr, maxRegions: m.rkey };
+    this.peerLimits = { maxLeaseMs: m.maxLeaseMs, maxMessageSize: m.maxMessageSize, quotaBytes: m.quotaBytes, maxRegions: m.maxRegions };
     for (const w of [...this.limitWaiters]) w();
   }
 
@@ -465,13 +469,13 @@ export class MemoryProtocol {
     for (const w of [...this.quotaWaiters]) w();
     // Ownership moves with the message: this side may not use the region any more.
     rmr.lease.released = true;
-    return this.host.postCtrl({ type: MsgType.MR_GIVE_BACK, token: rmr.lease.token, a: rmr.origin === "lent" ? 1 : 0 });
+    return this.host.postCtrl({ type: MsgType.MR_GIVE_BACK, token: rmr.lease.token, lent: rmr.origin === "lent" });
   }
 
   // ----------------------------------------------------------- owner side
 
   private onRequest(token: number, size: number, leaseMs: number, flags: number): void {
-    const deny = (reason: number, b = 0, imm = 0): void => this.host.sendCtrl({ type: MsgType.MR_DENY, token, a: reason, b, imm });
+    const deny = (reason: number, value = 0, regions = 0): void => this.host.sendCtrl({ type: MsgType.MR_DENY, token, reason, value, regions });
     if (this.grantTokens.has(token)) return this.host.protocolError(`MR_REQUEST reuses the token ${token} of a live grant`);
     if (accessOfFlags(flags) === null) return this.host.protocolError(`MR_REQUEST asks for access flags 0x${flags.toString(16)}`);
     if (size === 0 || size > this.limits.maxRegionSize) return deny(DenyReason.TOO_LARGE);
@@ -501,13 +505,13 @@ export class MemoryProtocol {
     this.grants.set(id, g);
     this.grantTokens.add(token);
     this.quotaUsed += size;
-    this.host.sendCtrl({ type: MsgType.MR_GRANT, token, id, a: size, b: lease, addr: mr.addr, rkey: mr.rkey, imm: flags });
+    this.host.sendCtrl({ type: MsgType.MR_GRANT, token, id, size, leaseMs: lease, addr: mr.addr, rkey: mr.rkey, access: flags });
   }
 
   /** Owner side of MR_OPEN: a registration in this connection's PD over exactly the shared bytes. */
-  private onOpen(m: Msg): void {
-    const deny = (reason: number, b = 0, imm = 0): void => this.host.sendCtrl({ type: MsgType.MR_DENY, token: m.token, a: reason, b, imm });
-    const share = this.host.findShare(hashKey(m.hash!));
+  private onOpen(m: Kind<typeof MsgType.MR_OPEN>): void {
+    const deny = (reason: number, value = 0, regions = 0): void => this.host.sendCtrl({ type: MsgType.MR_DENY, token: m.token, reason, value, regions });
+    const share = this.host.findShare(hashKey(m.hash));
     // One answer for "no such name" and "not for you": the peer learns nothing it may not open.
     if (!share || share.revoked) return deny(DenyReason.NOT_FOUND);
     if (share.allow) {
@@ -528,7 +532,7 @@ export class MemoryProtocol {
       return deny(DenyReason.NOT_FOUND);
     }
     this.opened.set(id, share);
-    this.host.sendCtrl({ type: MsgType.MR_SHARED, token: m.token, id, a: share.length, imm: share.flags, addr: mr.addr, rkey: mr.rkey });
+    this.host.sendCtrl({ type: MsgType.MR_SHARED, token: m.token, id, size: share.length, access: share.flags, addr: mr.addr, rkey: mr.rkey });
   }
 
   private closeOpened(id: number): boolean {
@@ -584,7 +588,7 @@ export class MemoryProtocol {
     const lend: Exposed = { mem: lmr.mem, mr, timer: null, start: lmr.start, length: lmr.length, since: performance.now() };
     lend.timer = longTimeout(() => this.endLend(id, false), ownerRevokeDelay(leaseMs, this.limits.leaseGraceMs));
     this.lends.set(id, lend);
-    return this.host.postCtrl({ type: MsgType.MR_LEND, token: id, a: lmr.length, b: leaseMs, addr: mr.addr, rkey: mr.rkey, imm: flags }, signal);
+    return this.host.postCtrl({ type: MsgType.MR_LEND, token: id, size: lmr.length, leaseMs, addr: mr.addr, rkey: mr.rkey, access: flags }, signal);
   }
 
   private endLend(id: number, toQueue: boolean): void {
@@ -600,10 +604,10 @@ export class MemoryProtocol {
   // ------------------------------------------------------------ dispatch
 
   /** Handles a memory-protocol message; false when `m` is not one. */
-  onMessage(m: Msg, owner: object): boolean {
+  onMessage(m: CtrlMessage, owner: object): boolean {
     switch (m.type) {
       case MsgType.MR_REQUEST:
-        this.onRequest(m.token, m.a, m.b, m.imm);
+        this.onRequest(m.token, m.size, m.leaseMs, m.access);
         return true;
       case MsgType.MR_OPEN:
         this.onOpen(m);
@@ -645,22 +649,22 @@ export class MemoryProtocol {
           this.host.protocolError(`more than ${MAX_UNCLAIMED_LENDS} lent regions not taken with receiveRemoteMr`);
           return true;
         }
-        const access = accessOfFlags(m.imm);
+        const access = accessOfFlags(m.access);
         if (access === null) {
-          this.host.protocolError(`MR_LEND with access flags 0x${m.imm.toString(16)}`);
+          this.host.protocolError(`MR_LEND with access flags 0x${m.access.toString(16)}`);
           return true;
         }
-        const lease = new RemoteLease(m.token, borrowerDeadline(performance.now(), m.b), (t) => this.releaseRemote(t, "lent"));
+        const lease = new RemoteLease(m.token, borrowerDeadline(performance.now(), m.leaseMs), (t) => this.releaseRemote(t, "lent"));
         lease.owner = owner;
         lease.renewer = (rmr, ms, signal) => this.renew(rmr, ms, signal);
-        this.remoteMrs.push(new RemoteMr(m.addr, m.a, m.rkey, lease, "lent", access));
+        this.remoteMrs.push(new RemoteMr(m.addr, m.size, m.rkey, lease, "lent", access));
         return true;
       }
       case MsgType.MR_RETURN:
         this.endLend(m.token, false);
         return true;
       case MsgType.MR_GIVE_BACK: {
-        if (m.a === 1) {
+        if (m.lent) {
           this.endLend(m.token, true);
           return true;
         }

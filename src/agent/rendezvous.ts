@@ -28,7 +28,7 @@ import { LocalMemory, LocalMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
 import { abortError } from "./queue.js";
-import { MsgType, RndvStatus, encodeMsg, type Msg } from "./codec.js";
+import { MsgType, RndvStatus, encodeMsg, toWire, type CtrlMessage } from "./codec.js";
 import type { Bounce } from "./bounce.js";
 import type { Inbox, Incoming } from "./inbox.js";
 import type { CtrlMsg } from "./memory-protocol.js";
@@ -170,7 +170,7 @@ export class Rendezvous {
       };
       const hdr = this.host.takeHdr();
       const a = hdr.alloc;
-      const n = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), { type: MsgType.RNDV, flags: 0, credits: 0, imm: imm ?? 0, token, a: len, b: imm === undefined ? 0 : 1, addr, rkey: mr.rkey, id: 0 });
+      const n = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), toWire({ type: MsgType.RNDV, token, length: len, addr, rkey: mr.rkey, imm }));
       op.hdr = hdr;
       if (signal) unwatch = this.host.watchAbort(signal, () => withdraw(abortError(signal)));
       this.host.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: n, lkey: a.mr.lkey }] }, op, credit: 2, hdr, onPost: copyIn });
@@ -205,9 +205,8 @@ export class Rendezvous {
    * process-wide peer memory budget allows (memory/budget.ts), in arrival
    * order; an unread one holds a credit like an eager message.
    */
-  onAnnounce(m: Msg): void {
-    // `m` is the reused decode buffer: copy what the continuation needs.
-    const entry: Incoming = { ready: false, mr: null, imm: m.b === 1 ? m.imm : undefined, rndv: { token: m.token, len: m.a, addr: m.addr, rkey: m.rkey, done: false, cancelled: false, started: false } };
+  onAnnounce(m: Extract<CtrlMessage, { type: typeof MsgType.RNDV }>): void {
+    const entry: Incoming = { ready: false, mr: null, imm: m.imm, rndv: { token: m.token, len: m.length, addr: m.addr, rkey: m.rkey, done: false, cancelled: false, started: false } };
     this.inbox.pushRendezvous(entry);
     this.waiting.push(entry);
     this.startReads();
@@ -239,10 +238,10 @@ export class Rendezvous {
           // The sender gave up before we delivered: drop it and say so.
           dst.release();
           this.inbox.drop(entry);
-          this.host.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, a: RndvStatus.CANCELLED });
+          this.host.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, status: RndvStatus.CANCELLED });
           return;
         }
-        this.host.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, a: RndvStatus.DELIVERED });
+        this.host.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, status: RndvStatus.DELIVERED });
         this.inbox.ready(entry, new LocalMr(dst, 0, r.len));
       };
       this.host.read(op, new LocalMr(dst, 0, r.len), r.addr, r.rkey);
@@ -261,7 +260,7 @@ export class Rendezvous {
     if (w >= 0) this.waiting.splice(w, 1);
     r.done = true;
     this.inbox.drop(entry);
-    this.host.sendCtrl({ type: MsgType.RNDV_DONE, token, a: RndvStatus.CANCELLED });
+    this.host.sendCtrl({ type: MsgType.RNDV_DONE, token, status: RndvStatus.CANCELLED });
   }
 
   /** The connection failed: our messages reject with the cause; announced ones are no longer read. */

@@ -105,6 +105,10 @@ async function state(p: Promise<unknown>): Promise<"pending" | "resolved" | "rej
   return s;
 }
 
+function announcement(token: number, length: number, addr = 0, rkey = 0, imm?: number) {
+  return { type: MsgType.RNDV, token, length, addr, rkey, imm } as const;
+}
+
 describe("rendezvous (agent/rendezvous.ts)", () => {
   it("a sent message stays lent until the peer's RNDV_DONE; then its registration is revoked", () =>
     withPool(async (pool) => {
@@ -231,14 +235,14 @@ describe("rendezvous (agent/rendezvous.ts)", () => {
     withPool(async (pool) => {
       const { rv, host, inbox } = scripted(pool);
       const before = peerMemory.used;
-      const ann: Msg = { ...newMsg(), type: MsgType.RNDV, token: 5, a: 100, addr: 0x1000, rkey: 77, b: 1, imm: 3 };
+      const ann = announcement(5, 100, 0x1000, 77, 3);
       rv.onAnnounce(ann);
       assert.equal(host.reads.length, 1);
       const rd = host.reads[0]!;
       assert.deepEqual([rd.dst.length, rd.addr, rd.rkey], [100, 0x1000, 77]);
       assert.equal(peerMemory.used, before + 100, "charged to the process-wide peer memory budget");
       rd.op.then!(true);
-      assert.deepEqual(host.ctrl, [{ type: MsgType.RNDV_DONE, token: 5, a: RndvStatus.DELIVERED }]);
+      assert.deepEqual(host.ctrl, [{ type: MsgType.RNDV_DONE, token: 5, status: RndvStatus.DELIVERED }]);
       const got = await inbox.receive();
       assert.equal(got.mr.length, 100);
       assert.equal(got.imm, 3);
@@ -253,10 +257,10 @@ describe("rendezvous (agent/rendezvous.ts)", () => {
       const limit = peerMemory.limit;
       peerMemory.limit = peerMemory.used; // nothing fits: announcements wait for the budget
       try {
-        rv.onAnnounce({ ...newMsg(), type: MsgType.RNDV, token: 1, a: 10 });
+        rv.onAnnounce(announcement(1, 10));
         assert.equal(host.reads.length, 0, "waits for the budget");
         rv.onCancel(1);
-        assert.deepEqual(host.ctrl, [{ type: MsgType.RNDV_DONE, token: 1, a: RndvStatus.CANCELLED }]);
+        assert.deepEqual(host.ctrl, [{ type: MsgType.RNDV_DONE, token: 1, status: RndvStatus.CANCELLED }]);
         rv.onCancel(1);
         assert.equal(host.ctrl.length, 1, "answered once");
       } finally {
@@ -264,12 +268,12 @@ describe("rendezvous (agent/rendezvous.ts)", () => {
         peerMemory.give(0);
       }
       host.ctrl = [];
-      rv.onAnnounce({ ...newMsg(), type: MsgType.RNDV, token: 2, a: 10 });
+      rv.onAnnounce(announcement(2, 10));
       assert.equal(host.reads.length, 1, "started");
       rv.onCancel(2);
       assert.deepEqual(host.ctrl, [], "the READ's completion answers");
       host.reads[0]!.op.then!(true);
-      assert.deepEqual(host.ctrl, [{ type: MsgType.RNDV_DONE, token: 2, a: RndvStatus.CANCELLED }]);
+      assert.deepEqual(host.ctrl, [{ type: MsgType.RNDV_DONE, token: 2, status: RndvStatus.CANCELLED }]);
       assert.equal(inbox.held(), 0, "a cancelled message is not delivered");
       assert.equal(peerMemory.used, before, "and its memory is freed");
     }));
@@ -278,13 +282,13 @@ describe("rendezvous (agent/rendezvous.ts)", () => {
     withPool(async (pool) => {
       const { rv, host } = scripted(pool);
       const before = peerMemory.used;
-      rv.onAnnounce({ ...newMsg(), type: MsgType.RNDV, token: 3, a: 64 });
+      rv.onAnnounce(announcement(3, 64));
       host.reads[0]!.op.then!(false);
       assert.equal(peerMemory.used, before);
       const limit = peerMemory.limit;
       peerMemory.limit = peerMemory.used;
       try {
-        rv.onAnnounce({ ...newMsg(), type: MsgType.RNDV, token: 4, a: 64 });
+        rv.onAnnounce(announcement(4, 64));
         const lmr = bytes(pool, LARGE, 1);
         const sent = rv.send(lmr, undefined, EAGER);
         const err = new RdmaError("RETRY_EXCEEDED", "peer gone");

@@ -9,6 +9,9 @@ import assert from "node:assert/strict";
 import { getEventListeners } from "node:events";
 import { RdmaError, peerMemoryUsage, setPeerMemoryLimit } from "../../src/index.js";
 import { MsgType } from "../../src/agent/codec.js";
+import { Access } from "../../src/transport/types.js";
+
+const ALL_REMOTE = Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC;
 import { MAX_UNCLAIMED_LENDS } from "../../src/agent/memory-protocol.js";
 import { CM, PROVIDER, eventually, withApiPair } from "../support/api.js";
 import { SLOW } from "../support/seam.js";
@@ -26,8 +29,8 @@ describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, { timeout: 120_000 * 
     await withApiPair(async ({ client, server }) => {
       const a = await client.requestRemoteMr(4096);
       // Forge a second MR_REQUEST with the token of the live grant (the first request used token 1).
-      client.conn.sendCtrl({ type: MsgType.MR_REQUEST, token: 1, a: 4096, b: 1000 });
-      await assert.rejects(server.receive(), code("PROTOCOL"));
+      client.conn.sendCtrl({ type: MsgType.MR_REQUEST, token: 1, size: 4096, leaseMs: 1000, access: ALL_REMOTE });
+      await assert.rejects(server.receive(), (e) => code("PROTOCOL")(e) && /reuses the token/.test((e as Error).message));
       await eventually(() => server.closed, 10_000 * SLOW, "the server side to tear down");
       assert.equal(server.stats().grants, 0);
       assert.equal(server.stats().quotaUsed, 0);
@@ -123,8 +126,8 @@ describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, { timeout: 120_000 * 
   it(`#7 lent regions never taken: past ${MAX_UNCLAIMED_LENDS} the peer is in breach (PROTOCOL), nothing grows`, () =>
     withApiPair(async ({ client, server }) => {
       // Forged MR_LENDs (no registration behind them): they only cost the receiver its queue.
-      for (let i = 0; i <= MAX_UNCLAIMED_LENDS; i++) client.conn.sendCtrl({ type: MsgType.MR_LEND, token: i + 1, a: 8, b: 60_000, addr: 0x1000, rkey: 1 });
-      await assert.rejects(server.receive(), code("PROTOCOL"));
+      for (let i = 0; i <= MAX_UNCLAIMED_LENDS; i++) client.conn.sendCtrl({ type: MsgType.MR_LEND, token: i + 1, size: 8, leaseMs: 60_000, addr: 0x1000, rkey: 1, access: Access.REMOTE_READ });
+      await assert.rejects(server.receive(), (e) => code("PROTOCOL")(e) && /not taken with receiveRemoteMr/.test((e as Error).message));
       assert.ok(server.stats().unclaimedRemote <= MAX_UNCLAIMED_LENDS);
     }));
 
