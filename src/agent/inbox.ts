@@ -16,7 +16,7 @@
  */
 import type { RdmaError } from "../errors.js";
 import type { LocalMr } from "../memory/mr.js";
-import { AsyncQueue, abortError } from "./queue.js";
+import { AsyncQueue, abortError, abortableWait, type Settle } from "./queue.js";
 
 /** A message in arrival order: whole (ready) or a rendezvous still being read. */
 export interface Incoming {
@@ -42,7 +42,7 @@ export interface InboxHost {
 
 export class Inbox {
   private readonly incoming: Incoming[] = [];
-  private readonly waiters: { resolve: (v: Received) => void; reject: (e: unknown) => void; cleanup: () => void }[] = [];
+  private readonly waiters: Settle<Received>[] = [];
   readonly writeImms = new AsyncQueue<number>("receiveWriteImm");
   /** Messages in `incoming` (not yet taken); immediates count apart (writeImms.length). */
   private heldMsgs = 0;
@@ -132,16 +132,7 @@ export class Inbox {
     const failure = this.host.failed();
     if (failure) return Promise.reject(failure);
     if (signal?.aborted) return Promise.reject(abortError(signal));
-    return new Promise((resolve, reject) => {
-      const onAbort = (): void => {
-        const i = this.waiters.indexOf(w);
-        if (i >= 0) this.waiters.splice(i, 1);
-        reject(abortError(signal!));
-      };
-      const w = { resolve, reject, cleanup: () => signal?.removeEventListener("abort", onAbort) };
-      signal?.addEventListener("abort", onAbort, { once: true });
-      this.waiters.push(w);
-    });
+    return abortableWait<Received>((w) => this.waiters.push(w), { signal, cleanup: this.unwait });
   }
 
   receiveWriteImm(signal?: AbortSignal): Promise<number> {
@@ -149,6 +140,11 @@ export class Inbox {
     if (this.pendingReposts > 0) void p.then(() => this.repostHeld(), () => {});
     return p;
   }
+
+  private readonly unwait = (w: Settle<Received>): void => {
+    const i = this.waiters.indexOf(w);
+    if (i >= 0) this.waiters.splice(i, 1);
+  };
 
   private takeHead(): Received {
     const head = this.incoming.shift()!;
@@ -167,9 +163,7 @@ export class Inbox {
   /** Hands ready messages at the head to waiting receivers, in order. */
   private deliver(): void {
     while (this.waiters.length > 0 && this.incoming[0]?.ready) {
-      const w = this.waiters.shift()!;
-      w.cleanup();
-      w.resolve(this.takeHead());
+      this.waiters.shift()!.resolve(this.takeHead());
     }
   }
 
@@ -192,10 +186,7 @@ export class Inbox {
       this.incoming.length = j;
       this.deliver();
     }
-    for (const w of this.waiters.splice(0)) {
-      w.cleanup();
-      w.reject(err);
-    }
+    for (const w of this.waiters.splice(0)) w.reject(err);
     this.writeImms.fail(err);
   }
 

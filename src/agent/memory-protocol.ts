@@ -25,7 +25,7 @@ import { Access, type MemoryRegion } from "../transport/types.js";
 import { LocalMemory, LocalMr, RemoteLease, RemoteMr, type RemoteAccess } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
-import { AsyncQueue, abortError } from "./queue.js";
+import { AsyncQueue, abortError, abortableWait, type Settle } from "./queue.js";
 import { DenyReason, MsgType, RenewStatus, type CtrlMessage } from "./codec.js";
 
 /** The control message of one kind. */
@@ -129,7 +129,7 @@ export class MemoryProtocol {
   private readonly renewals = new Map<number, { resolve: () => void; reject: (e: unknown) => void; sentAt: number; leaseMs: number; lease: RemoteLease }>();
   /** The peer's limits, once its LIMITS message arrived. */
   peerLimits: PeerLimits | null = null;
-  private readonly limitWaiters = new Set<() => void>();
+  private readonly limitWaiters = new Set<Settle<PeerLimits>>();
   /** Called when this side gives back granted memory: quota waits retry. */
   private readonly quotaWaiters = new Set<() => void>();
   private readonly opener: ShareOpener = {
@@ -203,23 +203,11 @@ export class MemoryProtocol {
 
   /** Resolves when this side gives memory back, after `ms`, or rejects when `signal` aborts or the connection fails. */
   private quotaRoom(ms: number, signal: AbortSignal | undefined): Promise<void> {
-    return new Promise<void>((resolve, reject) => {
-      const done = (): void => {
-        clearTimeout(t);
-        this.quotaWaiters.delete(wake);
-        signal?.removeEventListener("abort", onAbort);
-      };
-      const wake = (): void => {
-        done();
-        resolve();
-      };
-      const onAbort = (): void => {
-        done();
-        reject(abortError(signal!));
-      };
-      const t = setTimeout(wake, Math.max(1, ms));
-      this.quotaWaiters.add(wake);
-      signal?.addEventListener("abort", onAbort, { once: true });
+    return abortableWait<void>((w) => this.quotaWaiters.add(w.resolve), {
+      signal,
+      timeoutMs: Math.max(1, ms),
+      onTimeout: (w) => w.resolve(),
+      cleanup: (w) => this.quotaWaiters.delete(w.resolve),
     }).then(() => this.host.checkOpen("requestRemoteMr"));
   }
 
@@ -235,44 +223,29 @@ export class MemoryProtocol {
     const hash = kind === "open" ? nameKey(name).hash : undefined;
     const token = this.nextReq;
     this.nextReq = (this.nextReq + 1) >>> 0 || 1;
-    return new Promise<RemoteMr>((resolve, reject) => {
-      let timer: NodeJS.Timeout | null = null;
-      const cleanup = (): void => {
-        this.requests.delete(token);
-        if (timer) clearTimeout(timer);
-        signal?.removeEventListener("abort", onAbort);
-      };
-      const onAbort = (): void => {
-        cleanup();
-        reject(abortError(signal!));
-      };
-      signal?.addEventListener("abort", onAbort, { once: true });
-      if (timeoutMs !== undefined) {
-        timer = setTimeout(() => {
-          cleanup();
-          reject(new RdmaError("TIMEOUT", `${what}: the peer did not answer within ${timeoutMs} ms`));
-        }, timeoutMs);
-      }
-      const sentAt = performance.now();
-      this.requests.set(token, {
-        resolve: (r) => {
-          cleanup();
-          resolve(r);
-        },
-        reject: (e) => {
-          cleanup();
-          reject(e);
-        },
-        sentAt,
-        leaseMs,
-        owner,
-        size,
-        kind,
-        name,
-      });
-      if (hash) this.host.sendCtrl({ type: MsgType.MR_OPEN, token, hash });
-      else this.host.sendCtrl({ type: MsgType.MR_REQUEST, token, size, leaseMs, access: accessFlags(kind as ShareAccess) });
-    });
+    return abortableWait<RemoteMr>(
+      (w) => {
+        const sentAt = performance.now();
+        this.requests.set(token, {
+          resolve: w.resolve,
+          reject: w.reject,
+          sentAt,
+          leaseMs,
+          owner,
+          size,
+          kind,
+          name,
+        });
+        if (hash) this.host.sendCtrl({ type: MsgType.MR_OPEN, token, hash });
+        else this.host.sendCtrl({ type: MsgType.MR_REQUEST, token, size, leaseMs, access: accessFlags(kind as ShareAccess) });
+      },
+      {
+        signal,
+        timeoutMs,
+        onTimeout: (w) => w.reject(new RdmaError("TIMEOUT", `${what}: the peer did not answer within ${timeoutMs} ms`)),
+        cleanup: () => this.requests.delete(token),
+      },
+    );
   }
 
   private onGrant(m: Kind<typeof MsgType.MR_GRANT>): void {
@@ -359,31 +332,19 @@ export class MemoryProtocol {
     if (signal?.aborted) return Promise.reject(abortError(signal));
     const id = rmr.lease.token;
     if (this.renewals.has(id)) return Promise.reject(new RdmaError("INVALID_STATE", "renew: a renewal of this region is already under way"));
-    return new Promise<void>((resolve, reject) => {
-      const cleanup = (): void => {
-        this.renewals.delete(id);
-        signal?.removeEventListener("abort", onAbort);
-      };
-      const onAbort = (): void => {
-        cleanup();
-        reject(abortError(signal!));
-      };
-      signal?.addEventListener("abort", onAbort, { once: true });
-      this.renewals.set(id, {
-        resolve: () => {
-          cleanup();
-          resolve();
-        },
-        reject: (e) => {
-          cleanup();
-          reject(e);
-        },
-        sentAt: performance.now(),
-        leaseMs,
-        lease: rmr.lease,
-      });
-      this.host.sendCtrl({ type: MsgType.MR_RENEW, token: id, leaseMs, lent: rmr.origin === "lent" });
-    });
+    return abortableWait<void>(
+      (w) => {
+        this.renewals.set(id, {
+          resolve: w.resolve,
+          reject: w.reject,
+          sentAt: performance.now(),
+          leaseMs,
+          lease: rmr.lease,
+        });
+        this.host.sendCtrl({ type: MsgType.MR_RENEW, token: id, leaseMs, lent: rmr.origin === "lent" });
+      },
+      { signal, cleanup: () => this.renewals.delete(id) },
+    );
   }
 
   private onRenewed(m: Kind<typeof MsgType.MR_RENEWED>): void {
@@ -434,23 +395,16 @@ export class MemoryProtocol {
   private onLimits(m: Kind<typeof MsgType.LIMITS>): void {
     if (this.peerLimits) return this.host.protocolError("LIMITS sent twice");
     this.peerLimits = { maxLeaseMs: m.maxLeaseMs, maxMessageSize: m.maxMessageSize, quotaBytes: m.quotaBytes, maxRegions: m.maxRegions };
-    for (const w of [...this.limitWaiters]) w();
+    for (const w of [...this.limitWaiters]) w.resolve(this.peerLimits);
   }
 
   /** Resolves once the peer's limits are known (or at once). */
   whenLimits(timeoutMs: number): Promise<PeerLimits> {
     if (this.peerLimits) return Promise.resolve(this.peerLimits);
-    return new Promise<PeerLimits>((resolve, reject) => {
-      const t = setTimeout(() => {
-        this.limitWaiters.delete(w);
-        reject(new RdmaError("TIMEOUT", `the peer did not send its limits within ${timeoutMs} ms`));
-      }, timeoutMs);
-      const w = (): void => {
-        clearTimeout(t);
-        this.limitWaiters.delete(w);
-        if (this.peerLimits) resolve(this.peerLimits);
-      };
-      this.limitWaiters.add(w);
+    return abortableWait<PeerLimits>((w) => this.limitWaiters.add(w), {
+      timeoutMs,
+      onTimeout: (w) => w.reject(new RdmaError("TIMEOUT", `the peer did not send its limits within ${timeoutMs} ms`)),
+      cleanup: (w) => this.limitWaiters.delete(w),
     });
   }
 

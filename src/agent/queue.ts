@@ -1,10 +1,70 @@
 import { RdmaError } from "../errors.js";
 
-/** Abortable wait helpers: every wait in the library goes through these. */
+/**
+ * Abortable waits: every wait of the agent and the layers above it goes
+ * through `abortableWait` (or the helpers built on it here).
+ */
 
 export function abortError(signal: AbortSignal): RdmaError {
   const r: unknown = signal.reason;
   return new RdmaError("ABORTED", `operation aborted${r instanceof Error ? `: ${r.message}` : ""}`, { cause: r });
+}
+
+/** The two ends of a pending wait; the first call settles it, later ones do nothing. */
+export interface Settle<T> {
+  resolve(v: T): void;
+  reject(e: unknown): void;
+}
+
+export interface WaitOptions<T> {
+  signal?: AbortSignal | undefined;
+  /** After this long, `onTimeout` runs (default: reject with TIMEOUT naming `what`). */
+  timeoutMs?: number | undefined;
+  onTimeout?: ((s: Settle<T>) => void) | undefined;
+  /** Names the wait in the default TIMEOUT message. */
+  what?: string;
+  /** Unregisters the wait from whatever would have ended it; runs once, however it ends. */
+  cleanup?: ((s: Settle<T>) => void) | undefined;
+}
+
+/**
+ * The one abortable wait. `start` registers the wait with whatever ends it
+ * (a message, a completion, a queue) and gets its two ends. It also ends when
+ * `signal` aborts (ABORTED) or after `timeoutMs`, whichever comes first, and
+ * exactly once: the abort listener, the timer and `cleanup` go with it
+ * however it ends. A signal already aborted rejects before `start` runs.
+ */
+export function abortableWait<T>(start: (s: Settle<T>) => void, opts: WaitOptions<T> = {}): Promise<T> {
+  const { signal, timeoutMs, onTimeout, cleanup } = opts;
+  return new Promise<T>((resolve, reject) => {
+    let done = false;
+    let timer: NodeJS.Timeout | null = null;
+    const end = (): boolean => {
+      if (done) return false;
+      done = true;
+      if (timer !== null) clearTimeout(timer);
+      if (signal) signal.removeEventListener("abort", onAbort);
+      cleanup?.(s);
+      return true;
+    };
+    const s: Settle<T> = {
+      resolve: (v) => {
+        if (end()) resolve(v);
+      },
+      reject: (e) => {
+        if (end()) reject(e);
+      },
+    };
+    const onAbort = (): void => s.reject(abortError(signal!));
+    if (signal) {
+      if (signal.aborted) return onAbort();
+      signal.addEventListener("abort", onAbort, { once: true });
+    }
+    if (timeoutMs !== undefined) {
+      timer = setTimeout(() => (onTimeout ? onTimeout(s) : s.reject(new RdmaError("TIMEOUT", `${opts.what ?? "the wait"} did not finish within ${timeoutMs} ms`))), timeoutMs);
+    }
+    start(s);
+  });
 }
 
 /**
@@ -12,7 +72,7 @@ export function abortError(signal: AbortSignal): RdmaError {
  */
 export class AsyncQueue<T> {
   private items: T[] = [];
-  private waiters: { resolve: (v: T) => void; reject: (e: unknown) => void; cleanup: () => void }[] = [];
+  private waiters: Settle<T>[] = [];
   private failure: RdmaError | null = null;
 
   constructor(private readonly what: string) {}
@@ -23,10 +83,8 @@ export class AsyncQueue<T> {
 
   push(v: T): void {
     const w = this.waiters.shift();
-    if (w) {
-      w.cleanup();
-      w.resolve(v);
-    } else this.items.push(v);
+    if (w) w.resolve(v);
+    else this.items.push(v);
   }
 
   /** Next value; rejects with ABORTED on the signal, TIMEOUT after timeoutMs, or the queue's failure. */
@@ -34,44 +92,21 @@ export class AsyncQueue<T> {
     if (this.items.length > 0) return Promise.resolve(this.items.shift()!);
     if (this.failure) return Promise.reject(this.failure);
     const { signal, timeoutMs } = opts;
-    if (signal?.aborted) return Promise.reject(abortError(signal));
-    return new Promise<T>((resolve, reject) => {
-      let timer: NodeJS.Timeout | null = null;
-      const onAbort = (): void => {
-        remove();
-        reject(abortError(signal!));
-      };
-      const remove = (): void => {
+    return abortableWait<T>((w) => this.waiters.push(w), {
+      signal,
+      timeoutMs,
+      onTimeout: (w) => w.reject(new RdmaError("TIMEOUT", `${this.what}: nothing arrived within ${timeoutMs} ms`)),
+      cleanup: (w) => {
         const i = this.waiters.indexOf(w);
         if (i >= 0) this.waiters.splice(i, 1);
-        w.cleanup();
-      };
-      const w = {
-        resolve,
-        reject,
-        cleanup: () => {
-          if (timer) clearTimeout(timer);
-          signal?.removeEventListener("abort", onAbort);
-        },
-      };
-      if (timeoutMs !== undefined) {
-        timer = setTimeout(() => {
-          remove();
-          reject(new RdmaError("TIMEOUT", `${this.what}: nothing arrived within ${timeoutMs} ms`));
-        }, timeoutMs);
-      }
-      signal?.addEventListener("abort", onAbort, { once: true });
-      this.waiters.push(w);
+      },
     });
   }
 
   /** Rejects every waiter now and later (values already queued are still delivered). */
   fail(e: RdmaError): void {
     if (!this.failure) this.failure = e;
-    for (const w of this.waiters.splice(0)) {
-      w.cleanup();
-      w.reject(e);
-    }
+    for (const w of this.waiters.splice(0)) w.reject(e);
   }
 
   drain(): T[] {
@@ -82,35 +117,7 @@ export class AsyncQueue<T> {
 /** Races a promise against an AbortSignal and an optional timeout. */
 export function withDeadline<T>(p: Promise<T>, what: string, signal?: AbortSignal, timeoutMs?: number): Promise<T> {
   if (!signal && timeoutMs === undefined) return p;
-  return new Promise<T>((resolve, reject) => {
-    let timer: NodeJS.Timeout | null = null;
-    const done = (): void => {
-      if (timer) clearTimeout(timer);
-      signal?.removeEventListener("abort", onAbort);
-    };
-    const onAbort = (): void => {
-      done();
-      reject(abortError(signal!));
-    };
-    if (signal?.aborted) return onAbort();
-    signal?.addEventListener("abort", onAbort, { once: true });
-    if (timeoutMs !== undefined) {
-      timer = setTimeout(() => {
-        done();
-        reject(new RdmaError("TIMEOUT", `${what} did not finish within ${timeoutMs} ms`));
-      }, timeoutMs);
-    }
-    p.then(
-      (v) => {
-        done();
-        resolve(v);
-      },
-      (e: unknown) => {
-        done();
-        reject(e);
-      },
-    );
-  });
+  return abortableWait<T>((w) => p.then(w.resolve, w.reject), { signal, timeoutMs, what });
 }
 
 /**

@@ -1,0 +1,59 @@
+/**
+ * agent/queue.ts's one abortable wait: it ends exactly once, by the event, an
+ * abort or the timeout, and its listener, timer and cleanup go with it.
+ */
+import { describe, it } from "node:test";
+import assert from "node:assert/strict";
+import { getEventListeners } from "node:events";
+import { RdmaError } from "../../src/index.js";
+import { abortableWait, type Settle } from "../../src/agent/queue.js";
+
+describe("abortableWait (agent/queue.ts)", () => {
+  it("the event settles it once; cleanup runs once and the abort listener is removed", async () => {
+    const ac = new AbortController();
+    let cleanups = 0;
+    let end!: Settle<number>;
+    const p = abortableWait<number>((s) => (end = s), { signal: ac.signal, cleanup: () => cleanups++ });
+    assert.equal(getEventListeners(ac.signal, "abort").length, 1);
+    end.resolve(1);
+    end.resolve(2);
+    end.reject(new Error("late"));
+    ac.abort();
+    assert.equal(await p, 1);
+    assert.equal(cleanups, 1);
+    assert.equal(getEventListeners(ac.signal, "abort").length, 0);
+  });
+
+  it("an abort rejects with ABORTED and runs cleanup; an already aborted signal never starts the wait", async () => {
+    const ac = new AbortController();
+    let cleanups = 0;
+    const p = abortableWait<number>(() => {}, { signal: ac.signal, cleanup: () => cleanups++ });
+    ac.abort(new Error("stop"));
+    await assert.rejects(p, (e: RdmaError) => e.code === "ABORTED" && /stop/.test(e.message));
+    assert.equal(cleanups, 1);
+    let started = false;
+    await assert.rejects(
+      abortableWait(() => (started = true), { signal: AbortSignal.abort() }),
+      (e: RdmaError) => e.code === "ABORTED",
+    );
+    assert.equal(started, false);
+  });
+
+  it("the timeout rejects with TIMEOUT naming the wait (or runs onTimeout), and is cleared when the event comes first", async () => {
+    let cleanups = 0;
+    await assert.rejects(
+      abortableWait<void>(() => {}, { timeoutMs: 1, what: "the thing", cleanup: () => cleanups++ }),
+      (e: RdmaError) => e.code === "TIMEOUT" && /the thing/.test(e.message),
+    );
+    assert.equal(cleanups, 1);
+    assert.equal(await abortableWait<string>(() => {}, { timeoutMs: 1, onTimeout: (s) => s.resolve("woken") }), "woken");
+    // Settled by the event: the timer must not keep the process alive or fire later.
+    const before = process.getActiveResourcesInfo().filter((r) => r === "Timeout").length;
+    let end!: Settle<void>;
+    const p = abortableWait<void>((s) => (end = s), { timeoutMs: 3_600_000 });
+    assert.equal(process.getActiveResourcesInfo().filter((r) => r === "Timeout").length, before + 1);
+    end.resolve();
+    await p;
+    assert.equal(process.getActiveResourcesInfo().filter((r) => r === "Timeout").length, before);
+  });
+});
