@@ -413,10 +413,16 @@ export class Connection implements MemoryHost {
     }
   }
 
-  /** A RemoteMr granted or lent to another connection is refused here, before anything is posted. */
+  /**
+   * The one check of who may use a RemoteMr: the connection it came from
+   * (the memory protocol records it in `lease.owner` when the region
+   * arrives). Its rkey is valid only there (the peer registered it in that
+   * connection's protection domain), so any other connection refuses it here,
+   * before anything is posted, instead of dying of a remote access error.
+   */
   private checkRemote(rmr: RemoteMr, what: string): void {
     if (rmr.lease.owner !== null && rmr.lease.owner !== this) {
-      throw new RdmaError("INVALID_ARGUMENT", `${what}: this RemoteMr was granted, lent or shared to another connection; a region can only be used on the connection it came from`);
+      throw new RdmaError("INVALID_ARGUMENT", `${what}: this RemoteMr was granted, lent or shared to another connection: its rkey is valid only there (the peer registered it in that connection's protection domain)`);
     }
     rmr.lease.check(what);
     // The rights the owner gave (its registration enforces them too): refused before posting.

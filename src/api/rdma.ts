@@ -4,7 +4,7 @@
 import { RdmaError, checkInt } from "../errors.js";
 import { Access, WrOpcode } from "../transport/types.js";
 import type { Connection } from "../agent/connection.js";
-import { LocalMemory, LocalMr, RemoteLease, RemoteMr, type RemoteAccess } from "../memory/mr.js";
+import { LocalMemory, LocalMr, RemoteMr, type RemoteAccess } from "../memory/mr.js";
 import type { PeerLimits } from "../agent/memory-protocol.js";
 import { checkAccess } from "../agent/shares.js";
 import { SharedMr, shareIn, type ShareOptions } from "./shared.js";
@@ -19,19 +19,6 @@ export type { PeerInfo };
 export interface OpOptions {
   /** Aborts the operation while it has not been posted (rejects with ABORTED). */
   signal?: AbortSignal;
-}
-
-/**
- * The connection a RemoteMr was handed out on (requestRemoteMr,
- * receiveRemoteMr): its rkey is valid only there (the peer registered it in
- * that connection's protection domain), so any other connection refuses it
- * before posting instead of dying of a remote access error.
- */
-const remoteOwner = new WeakMap<RemoteLease, Connection>();
-
-function own(rmr: RemoteMr, conn: Connection): RemoteMr {
-  remoteOwner.set(rmr.lease, conn);
-  return rmr;
 }
 
 /** Options objects: absent or an object (null, numbers and strings are misuse). */
@@ -120,13 +107,9 @@ export class Rdma {
     return v;
   }
 
-  /** A RemoteMr this connection may use: one it was given (see remoteOwner). */
+  /** A RemoteMr; whether this connection may use it (the one it came from) is the agent's check (Connection.checkRemote). */
   private rmr(v: unknown, name: string): RemoteMr {
     if (!(v instanceof RemoteMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a RemoteMr (from requestRemoteMr or receiveRemoteMr)`);
-    const owner = remoteOwner.get(v.lease);
-    if (owner !== undefined && owner !== this.conn) {
-      throw new RdmaError("INVALID_ARGUMENT", `${name} was granted to another connection: its rkey is valid only there (the peer registered it in that connection's protection domain)`);
-    }
     return v;
   }
 
@@ -224,7 +207,7 @@ export class Rdma {
       const timeout = o.timeoutMs === undefined ? undefined : checkInt("timeoutMs", o.timeoutMs, 1, 2 ** 31);
       const access = o.access === undefined ? "atomic" : checkAccess(o.access, "requestRemoteMr");
       if (o.waitForQuota !== undefined && typeof o.waitForQuota !== "boolean") throw new RdmaError("INVALID_ARGUMENT", "requestRemoteMr: waitForQuota must be a boolean");
-      return own(await this.conn.requestRemoteMr(size, lease, timeout, signalOf(o, "requestRemoteMr"), access, o.waitForQuota === true), this.conn);
+      return await this.conn.requestRemoteMr(size, lease, timeout, signalOf(o, "requestRemoteMr"), access, o.waitForQuota === true);
     });
   }
 
@@ -263,7 +246,7 @@ export class Rdma {
       if (typeof name !== "string" || name.length === 0) throw new RdmaError("INVALID_ARGUMENT", "openSharedMr: the name must be a non-empty string");
       const o = optsOf(opts, "openSharedMr");
       const timeout = o.timeoutMs === undefined ? undefined : checkInt("timeoutMs", o.timeoutMs, 1, 2 ** 31);
-      return own(await this.conn.openSharedMr(name, timeout, signalOf(o, "openSharedMr")), this.conn);
+      return await this.conn.openSharedMr(name, timeout, signalOf(o, "openSharedMr"));
     });
   }
 
@@ -286,7 +269,7 @@ export class Rdma {
 
   /** Memory the peer lent with sendLocalMr. */
   receiveRemoteMr(opts?: OpOptions): Promise<RemoteMr> {
-    return guard(async () => own(await this.conn.receiveRemoteMr(signalOf(opts)), this.conn));
+    return guard(() => this.conn.receiveRemoteMr(signalOf(opts)));
   }
 
   /** Hands a remote region back to its owner (receiveLocalMr there); this side loses access. */
