@@ -18,6 +18,7 @@ import type * as net from "node:net";
 import { QpState } from "../types.js";
 import { FrameType } from "./codec.js";
 import { FrameReader } from "./frame-reader.js";
+import { ReadPort, adoptAccepted } from "./read-path.js";
 
 /** Defaults of the device's limits on streams that have not said HELLO (see docs/architecture.md, Limits). */
 export const HELLO_TIMEOUT_MS = 10_000;
@@ -27,8 +28,8 @@ export const MAX_PENDING_HELLO_PER_SOURCE = 64;
 /** A QP as the device's port sees it: HELLO names it, and it takes the stream (TcpQueuePair). */
 export interface HelloTarget {
   readonly state: QpState;
-  /** The peer's request stream: `srcQp` and `psn` from its HELLO, `rest` the bytes that followed it. */
-  incoming(sock: net.Socket, srcQp: number, psn: number, rest: Buffer | null): void;
+  /** The peer's request stream (its bytes go to `port`): `srcQp` and `psn` from its HELLO, `rest` the bytes that followed it. */
+  incoming(sock: net.Socket, port: ReadPort, srcQp: number, psn: number, rest: Buffer | null): void;
 }
 
 /** What acceptIncoming needs from the device. */
@@ -126,8 +127,14 @@ export class PendingStreams {
   }
 }
 
-/** First frame on an accepted socket must be HELLO naming the QP; then that QP's responder takes the stream. */
-export function acceptIncoming(device: AcceptingDevice, sock: net.Socket): void {
+/**
+ * First frame on an accepted socket must be HELLO naming the QP; then that
+ * QP's responder takes the stream. `accepted` comes from a server with
+ * `pauseOnConnect` (read-path.ts wraps it for `onread` before any read).
+ */
+export function acceptIncoming(device: AcceptingDevice, accepted: net.Socket): void {
+  const port = new ReadPort();
+  const sock = adoptAccepted(accepted, port);
   const pending = device.pendingHello;
   const source = sourceKey(sock.remoteAddress);
   if (pending.countOf(source) >= device.maxPendingHelloPerSource) pending.evictOldest(source);
@@ -147,16 +154,16 @@ export function acceptIncoming(device: AcceptingDevice, sock: net.Socket): void 
     () => {},
     () => sock.destroy(),
   );
-  const onData = (chunk: Buffer): void => {
-    reader.feed(chunk);
+  port.sink = (buf: Buffer, start: number, end: number): void => {
+    reader.feed(buf, start, end);
     if (reader.stopped) {
-      sock.off("data", onData);
+      port.sink = dropBytes;
       clearTimeout(deadline);
       pending.remove(entry);
-      if (hello !== null && !sock.destroyed) hello.qp.incoming(sock, hello.srcQp, hello.psn, reader.leftover);
+      if (hello !== null && !sock.destroyed) hello.qp.incoming(sock, port, hello.srcQp, hello.psn, reader.leftover);
+      else sock.destroy();
     }
   };
-  sock.on("data", onData);
   sock.on("error", () => {});
   // A stream that never says HELLO is dropped at the deadline.
   const deadline = setTimeout(() => {
@@ -167,3 +174,5 @@ export function acceptIncoming(device: AcceptingDevice, sock: net.Socket): void 
   deadline.unref();
   sock.once("close", () => clearTimeout(deadline));
 }
+
+function dropBytes(): void {}

@@ -86,13 +86,70 @@ export interface FrameHeader {
   op2: bigint;
 }
 
-export function newHeader(): FrameHeader {
-  return { type: 0, flags: 0, psn: 0, payloadLen: 0, rkey: 0, raddr: 0, imm: 0, aux: 0, op1: 0n, op2: 0n };
+/**
+ * A decoded header. The 64-bit operands are kept as two 32-bit halves and
+ * become BigInts only when asked for (atomics, tests): the per-frame path
+ * (decoding, a piggybacked ACK PSN, an RNR timer code) never makes a BigInt.
+ */
+export class DecodedHeader implements FrameHeader {
+  type = 0;
+  flags = 0;
+  psn = 0;
+  payloadLen = 0;
+  rkey = 0;
+  raddr = 0;
+  imm = 0;
+  aux = 0;
+  op1Hi = 0;
+  op1Lo = 0;
+  op2Hi = 0;
+  op2Lo = 0;
+  get op1(): bigint {
+    return (BigInt(this.op1Hi) << 32n) | BigInt(this.op1Lo);
+  }
+  set op1(v: bigint) {
+    this.op1Hi = Number((v >> 32n) & 0xffffffffn);
+    this.op1Lo = Number(v & 0xffffffffn);
+  }
+  get op2(): bigint {
+    return (BigInt(this.op2Hi) << 32n) | BigInt(this.op2Lo);
+  }
+  set op2(v: bigint) {
+    this.op2Hi = Number((v >> 32n) & 0xffffffffn);
+    this.op2Lo = Number(v & 0xffffffffn);
+  }
+}
+
+export function newHeader(): DecodedHeader {
+  return new DecodedHeader();
 }
 
 /** Header buffers are carved from an arena so a frame costs a view, not an allocation of its own. */
 let arena = Buffer.allocUnsafe(64 * 1024);
 let arenaOff = 0;
+
+function putU32(b: Uint8Array, o: number, v: number): void {
+  b[o] = v >>> 24;
+  b[o + 1] = v >>> 16;
+  b[o + 2] = v >>> 8;
+  b[o + 3] = v;
+}
+
+function getU32(b: Uint8Array, o: number): number {
+  return b[o]! * 0x1000000 + ((b[o + 1]! << 16) | (b[o + 2]! << 8) | b[o + 3]!);
+}
+
+/** A u64 operand: a BigInt (atomics) is split once; a number (0, an ACK PSN, an RNR code, a QP number; < 2^53) costs no BigInt. */
+function putU64(b: Uint8Array, o: number, v: bigint | number): void {
+  if (typeof v === "number") {
+    putU32(b, o, Math.floor(v / 0x100000000) >>> 0);
+    putU32(b, o + 4, v >>> 0);
+    return;
+  }
+  const u = BigInt.asUintN(64, v);
+  putU32(b, o, Number(u >> 32n));
+  putU32(b, o + 4, Number(u & 0xffffffffn));
+}
 
 export function encodeHeader(
   type: FrameType,
@@ -103,15 +160,15 @@ export function encodeHeader(
   raddr: number,
   imm: number,
   aux: number,
-  op1: bigint,
-  op2: bigint,
+  op1: bigint | number,
+  op2: bigint | number,
   /** Bytes reserved after the header (a small payload copied in by the caller: one write per frame). */
   room = 0,
 ): Buffer {
   const size = HEADER_LEN + room;
   if (arenaOff + size > arena.length) {
     // Earlier headers may still be queued in a socket: never reuse, start a new arena.
-    arena = Buffer.allocUnsafe(64 * 1024);
+    arena = Buffer.allocUnsafe(Math.max(64 * 1024, size));
     arenaOff = 0;
   }
   const b = arena.subarray(arenaOff, arenaOff + size);
@@ -120,43 +177,45 @@ export function encodeHeader(
   b[1] = VERSION;
   b[2] = type;
   b[3] = flags;
-  b.writeUInt32BE(psn >>> 0, 4);
-  b.writeUInt32BE(payloadLen >>> 0, 8);
-  b.writeUInt32BE(rkey >>> 0, 12);
-  b.writeUInt32BE(Math.floor(raddr / 0x100000000) >>> 0, 16);
-  b.writeUInt32BE(raddr >>> 0, 20);
-  b.writeUInt32BE(imm >>> 0, 24);
-  b.writeUInt32BE(aux >>> 0, 28);
-  b.writeBigUInt64BE(BigInt.asUintN(64, op1), 32);
-  b.writeBigUInt64BE(BigInt.asUintN(64, op2), 40);
+  putU32(b, 4, psn >>> 0);
+  putU32(b, 8, payloadLen >>> 0);
+  putU32(b, 12, rkey >>> 0);
+  putU32(b, 16, Math.floor(raddr / 0x100000000) >>> 0);
+  putU32(b, 20, raddr >>> 0);
+  putU32(b, 24, imm >>> 0);
+  putU32(b, 28, aux >>> 0);
+  putU64(b, 32, op1);
+  putU64(b, 40, op2);
   return b;
 }
 
 /**
- * Decodes and validates a header. Returns an error string for a malformed
- * frame (the caller moves the QP to ERR with that reason) or null.
+ * Decodes and validates a header in place (no copy, no DataView, no BigInt).
+ * Returns an error string for a malformed frame (the caller moves the QP to
+ * ERR with that reason) or null.
  */
-export function decodeHeader(b: Uint8Array, off: number, h: FrameHeader): string | null {
-  const dv = new DataView(b.buffer, b.byteOffset + off, HEADER_LEN);
-  if (dv.getUint8(0) !== MAGIC) return `bad magic 0x${dv.getUint8(0).toString(16)}`;
-  const ver = dv.getUint8(1);
+export function decodeHeader(b: Uint8Array, off: number, h: DecodedHeader): string | null {
+  if (b[off] !== MAGIC) return `bad magic 0x${b[off]!.toString(16)}`;
+  const ver = b[off + 1]!;
   if (ver !== VERSION) return `wire version ${ver} not supported (this side speaks ${VERSION})`;
-  h.type = dv.getUint8(2);
-  h.flags = dv.getUint8(3);
-  h.psn = dv.getUint32(4);
-  h.payloadLen = dv.getUint32(8);
-  h.rkey = dv.getUint32(12);
-  const hi = dv.getUint32(16);
+  h.type = b[off + 2]!;
+  h.flags = b[off + 3]!;
+  h.psn = getU32(b, off + 4);
+  h.payloadLen = getU32(b, off + 8);
+  h.rkey = getU32(b, off + 12);
+  const hi = getU32(b, off + 16);
   if (hi >= 0x200000) return "remote address beyond 2^53";
-  h.raddr = hi * 0x100000000 + dv.getUint32(20);
-  h.imm = dv.getUint32(24);
-  h.aux = dv.getUint32(28);
-  h.op1 = dv.getBigUint64(32);
-  h.op2 = dv.getBigUint64(40);
+  h.raddr = hi * 0x100000000 + getU32(b, off + 20);
+  h.imm = getU32(b, off + 24);
+  h.aux = getU32(b, off + 28);
+  h.op1Hi = getU32(b, off + 32);
+  h.op1Lo = getU32(b, off + 36);
+  h.op2Hi = getU32(b, off + 40);
+  h.op2Lo = getU32(b, off + 44);
   if (h.flags & ~KNOWN_FLAGS) return `unknown flags 0x${h.flags.toString(16)}`;
   if (h.flags & FrameFlags.ACK) {
     if (h.type !== FrameType.SEND && h.type !== FrameType.WRITE && h.type !== FrameType.READ_REQ) return `ACK flag on frame type ${h.type} (only SEND, WRITE and READ_REQ carry a piggybacked ACK)`;
-    if (h.op2 > 0xffffffn) return `piggybacked ACK PSN 0x${h.op2.toString(16)} exceeds 24 bits`;
+    if (h.op2Hi !== 0 || h.op2Lo > 0xffffff) return `piggybacked ACK PSN 0x${h.op2.toString(16)} exceeds 24 bits`;
   }
   if (h.payloadLen > MAX_MESSAGE) return `payload length ${h.payloadLen} exceeds 2^31`;
   switch (h.type) {

@@ -85,7 +85,8 @@ export class TcpDevice implements Device {
   }
 
   async listen(port: number): Promise<void> {
-    const server = net.createServer({ noDelay: true }, (sock) => acceptIncoming(this, sock));
+    // Accepted paused: read-path.ts gives the socket `onread` before its first read.
+    const server = net.createServer({ noDelay: true, pauseOnConnect: true }, (sock) => acceptIncoming(this, sock));
     this.server = server;
     await new Promise<void>((resolve, reject) => {
       server.once("error", (e) => reject(new RdmaError("PROVIDER_UNAVAILABLE", `tcp device ${this.name} cannot listen on ${this.host}:${port}: ${e.message}`, { cause: e })));

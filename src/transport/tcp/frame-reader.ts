@@ -5,7 +5,7 @@
  * with no reassembly buffer, and only while the placement's guard says the
  * memory is still registered. What a frame *means* is the handlers' business.
  */
-import { HEADER_LEN, decodeHeader, newHeader, type FrameHeader } from "./codec.js";
+import { HEADER_LEN, decodeHeader, newHeader, type DecodedHeader } from "./codec.js";
 
 /**
  * Incremental frame reader: header first (possibly split across chunks), then
@@ -15,7 +15,7 @@ import { HEADER_LEN, decodeHeader, newHeader, type FrameHeader } from "./codec.j
 export class FrameReader {
   private readonly hdrBuf = Buffer.alloc(HEADER_LEN);
   private hdrFill = 0;
-  readonly h: FrameHeader = newHeader();
+  readonly h: DecodedHeader = newHeader();
   private remaining = 0;
   /** Payload bytes of the current frame still to come (0 between frames). */
   get payloadLeft(): number {
@@ -31,11 +31,11 @@ export class FrameReader {
   leftover: Buffer | null = null;
 
   constructor(
-    public onHeader: (h: FrameHeader) => void,
-    public onPayloadDone: (h: FrameHeader) => void,
+    public onHeader: (h: DecodedHeader) => void,
+    public onPayloadDone: (h: DecodedHeader) => void,
     public onMalformed: (reason: string) => void,
     /** The target memory went away mid-payload: the rest of it is discarded. */
-    public onRevoked: (h: FrameHeader) => void = () => {},
+    public onRevoked: (h: DecodedHeader) => void = () => {},
   ) {}
 
   /** Called from onHeader: where the payload goes (null = discard), and what keeps it valid. */
@@ -46,9 +46,14 @@ export class FrameReader {
     this.toff = 0;
   }
 
-  feed(chunk: Buffer): void {
-    let off = 0;
-    const len = chunk.length;
+  /**
+   * Parses chunk[start, end) in place. The chunk may be a buffer reused for
+   * the next read (read-path.ts): nothing of it is kept past this call (a
+   * split header is copied, `leftover` is a copy).
+   */
+  feed(chunk: Buffer, start = 0, end = chunk.length): void {
+    let off = start;
+    const len = end;
     while (off < len && !this.stopped) {
       if (this.remaining > 0) {
         const n = Math.min(this.remaining, len - off);
@@ -91,7 +96,7 @@ export class FrameReader {
       this.remaining = this.h.payloadLen;
       this.onHeader(this.h);
       if (this.stopped) {
-        if (off < len) this.leftover = chunk.subarray(off);
+        if (off < len) this.leftover = Buffer.from(chunk.subarray(off, len));
         return;
       }
       if (this.remaining === 0) this.onPayloadDone(this.h);
@@ -103,7 +108,7 @@ export class FrameReader {
     while (n > 0 && this.ti < ts.length) {
       const t = ts[this.ti]!;
       const k = Math.min(n, t.length - this.toff);
-      t.set(chunk.subarray(off, off + k), this.toff);
+      chunk.copy(t, this.toff, off, off + k);
       this.toff += k;
       off += k;
       n -= k;

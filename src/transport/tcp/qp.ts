@@ -16,7 +16,7 @@
  *   completes with WR_FLUSH_ERR, receives included, and the streams close
  *   so the peer learns at once.
  */
-import * as net from "node:net";
+import type * as net from "node:net";
 import { RdmaError, checkInt } from "../../errors.js";
 import { QpState, WcStatus, type AsyncEvent, type AsyncEventType, type Device, type Endpoint, type QpConnectAttr, type QpInitAttr, type QueuePair, type RecvWr, type SendWr } from "../types.js";
 import { validateQpAccess, validateQpCaps, validateRecvWr, validateSendWr } from "../validate.js";
@@ -25,6 +25,7 @@ import type { TcpCq } from "./cq.js";
 import { DEFAULT_LIVENESS_MS } from "./liveness.js";
 import type { TcpMw } from "./memory.js";
 import { PSN_MASK, type QpCore, type QpCounters, type QpPd, type Side, type TcpQpStats } from "./qp-core.js";
+import { ReadPort, dial } from "./read-path.js";
 import { Requester } from "./requester.js";
 import { Responder } from "./responder.js";
 
@@ -52,7 +53,7 @@ export class TcpQueuePair implements QueuePair, QpCore {
   private readonly req: Requester;
   private readonly resp: Responder;
   /** Streams that arrived before connect(): the one matching the peer's endpoint is adopted, the rest dropped. */
-  private parked: { sock: net.Socket; srcQp: number; psn: number; rest: Buffer | null }[] = [];
+  private parked: { sock: net.Socket; port: ReadPort; srcQp: number; psn: number; rest: Buffer | null }[] = [];
   private remote: Endpoint | null = null;
   private destroyed = false;
 
@@ -139,22 +140,23 @@ export class TcpQueuePair implements QueuePair, QpCore {
     this.remote = { ...remote };
     this.state = QpState.RTS;
 
-    const sock = net.connect({ host: remote.gid, port: remote.port, noDelay: true });
+    const port = new ReadPort();
+    const sock = dial(remote.gid, remote.port, port);
     // Like an idle verbs QP, the streams do not keep the process alive; an armed CQ with a handler does.
     sock.unref();
-    this.req.attach(sock, `${remote.gid}:${remote.port}`);
-    sock.write(encodeHeader(FrameType.HELLO, 0, this.req.initialPsn, 0, 0, 0, 0, remote.qpNum, BigInt(this.qpNum), 0n));
+    this.req.attach(sock, port, `${remote.gid}:${remote.port}`);
+    sock.write(encodeHeader(FrameType.HELLO, 0, this.req.initialPsn, 0, 0, 0, 0, remote.qpNum, this.qpNum, 0));
     const parked = this.parked;
     this.parked = [];
     for (const p of parked) {
-      if (p.srcQp === remote.qpNum && p.psn === remote.psn && !this.resp.sock) this.incoming(p.sock, p.srcQp, p.psn, p.rest);
+      if (p.srcQp === remote.qpNum && p.psn === remote.psn && !this.resp.sock) this.incoming(p.sock, p.port, p.srcQp, p.psn, p.rest);
       else p.sock.destroy();
     }
     this.req.start();
   }
 
   /** An incoming stream for this QP (the peer's requests). Parked, paused, until connect() when it arrives early. */
-  incoming(sock: net.Socket, srcQp: number, psn: number, rest: Buffer | null): void {
+  incoming(sock: net.Socket, port: ReadPort, srcQp: number, psn: number, rest: Buffer | null): void {
     if (this.state === QpState.INIT) {
       // A stranger's HELLO must not evict the real peer's stream: keep a few, bounded.
       if (this.parked.length >= PARKED_MAX) {
@@ -162,14 +164,14 @@ export class TcpQueuePair implements QueuePair, QpCore {
         return;
       }
       sock.pause();
-      this.parked.push({ sock, srcQp, psn, rest });
+      this.parked.push({ sock, port, srcQp, psn, rest });
       return;
     }
     if (this.state !== QpState.RTS || !this.remote || srcQp !== this.remote.qpNum || psn !== this.remote.psn || this.resp.sock) {
       sock.destroy();
       return;
     }
-    this.resp.attach(sock, rest);
+    this.resp.attach(sock, port, rest);
   }
 
   // ---------------------------------------------------------------- posting

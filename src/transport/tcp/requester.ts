@@ -20,11 +20,12 @@ import type * as net from "node:net";
 import { randomInt } from "node:crypto";
 import { RdmaError } from "../../errors.js";
 import { QpState, WcStatus, WrOpcode, type SendWr } from "../types.js";
-import { FrameFlags, FrameType, HEADER_LEN, Syndrome, encodeHeader, rnrTimerMs, type FrameHeader } from "./codec.js";
+import { FrameFlags, FrameType, HEADER_LEN, Syndrome, encodeHeader, rnrTimerMs, type DecodedHeader } from "./codec.js";
 import { FrameReader } from "./frame-reader.js";
 import { NoProgressTimer } from "./liveness.js";
 import { bindWindow, invalidateWindow, localView, mrsAlive, type TcpMr } from "./memory.js";
 import { PSN_MASK, psnBefore, type QpCore } from "./qp-core.js";
+import type { ReadPort } from "./read-path.js";
 import { ENTRY_DONE, ENTRY_QUEUED, ENTRY_SENT, isReadOrAtomic, makeEntry, wcByteLen, wcOpcodeOf, type SqEntry } from "./send-queue.js";
 
 /**
@@ -86,7 +87,7 @@ export class Requester {
   }
 
   /** Takes the dialed stream: responses and ACKs arrive on it, requests leave on it. */
-  attach(sock: net.Socket, peer: string): void {
+  attach(sock: net.Socket, port: ReadPort, peer: string): void {
     this.sock = sock;
     const reader = new FrameReader(
       (h) => this.onResponseHeader(h),
@@ -95,11 +96,11 @@ export class Requester {
       () => this.onResponseRevoked(),
     );
     this.reader = reader;
-    sock.on("data", (chunk: Buffer) => {
+    port.sink = (buf: Buffer, start: number, end: number): void => {
       // Any byte from the peer on this stream (ACK, NAK, response, part of one) is progress.
       this.liveness.progress();
-      reader.feed(chunk);
-    });
+      reader.feed(buf, start, end);
+    };
     sock.on("drain", () => {
       this.drainWait = false;
       this.pump();
@@ -217,7 +218,7 @@ export class Requester {
       this.qp.counters.requests++;
       if (e.opcode === WrOpcode.RDMA_READ) {
         const ack = this.takePiggyback(sock);
-        sock.write(encodeHeader(FrameType.READ_REQ, ack >= 0 ? FrameFlags.ACK : 0, e.psn, 0, e.rkey, e.remoteAddr, 0, e.len, 0n, ack >= 0 ? BigInt(ack) : 0n));
+        sock.write(encodeHeader(FrameType.READ_REQ, ack >= 0 ? FrameFlags.ACK : 0, e.psn, 0, e.rkey, e.remoteAddr, 0, e.len, 0, ack >= 0 ? ack : 0));
       } else {
         // An atomic's operand2 is its swap value: no room for an ACK.
         const op = e.opcode === WrOpcode.ATOMIC_CMP_AND_SWP ? 0 : 1;
@@ -241,7 +242,7 @@ export class Requester {
     if (e.len <= SMALL_FRAME_COPY) {
       // A small frame is copied behind its header: one buffer, one write, and the memory is
       // free to reuse at once (no write to wait for).
-      const b = encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0n, ack >= 0 ? BigInt(ack) : 0n, e.len);
+      const b = encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0, ack >= 0 ? ack : 0, e.len);
       let o = HEADER_LEN;
       if (e.inline !== null) b.set(e.inline, o);
       else
@@ -254,7 +255,7 @@ export class Requester {
     }
     // Header and payload go out as one writev (cork), the payload straight from the registered memory.
     sock.cork();
-    sock.write(encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0n, ack >= 0 ? BigInt(ack) : 0n));
+    sock.write(encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0, ack >= 0 ? ack : 0));
     if (e.inline !== null) {
       if (e.inline.length > 0) sock.write(e.inline);
     } else {
@@ -365,7 +366,7 @@ export class Requester {
     return true;
   }
 
-  private onResponseHeader(h: FrameHeader): void {
+  private onResponseHeader(h: DecodedHeader): void {
     if (this.qp.state !== QpState.RTS) {
       this.reader?.place(null);
       return;
@@ -387,7 +388,7 @@ export class Requester {
         if (this.qp.state !== QpState.RTS) return;
         const e = this.firstSent();
         if (!e || e.psn !== h.psn) return this.qp.protocolError("requester", `NAK for PSN ${h.psn} that is not outstanding`);
-        if (h.aux === Syndrome.RNR_NAK) return this.onRnrNak(e, Number(h.op2));
+        if (h.aux === Syndrome.RNR_NAK) return this.onRnrNak(e, h.op2Lo);
         e.state = ENTRY_DONE;
         e.status = h.aux === Syndrome.NAK_REM_ACCESS ? WcStatus.REM_ACCESS_ERR : h.aux === Syndrome.NAK_INV_REQ ? WcStatus.REM_INV_REQ_ERR : WcStatus.REM_OP_ERR;
         this.completeInOrder();
@@ -414,7 +415,7 @@ export class Requester {
     }
   }
 
-  private onResponseDone(h: FrameHeader): void {
+  private onResponseDone(h: DecodedHeader): void {
     const e = this.respTargetEntry;
     if (e === null || this.qp.state !== QpState.RTS) return;
     this.respTargetEntry = null;

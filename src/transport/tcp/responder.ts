@@ -21,10 +21,11 @@
 import type * as net from "node:net";
 import { RdmaError } from "../../errors.js";
 import { Access, QpState, WcFlags, WcOpcode, WcStatus, type Sge } from "../types.js";
-import { FrameFlags, FrameType, Syndrome, encodeHeader, type FrameHeader } from "./codec.js";
+import { FrameFlags, FrameType, Syndrome, encodeHeader, type DecodedHeader } from "./codec.js";
 import { FrameReader } from "./frame-reader.js";
 import { localView, mrsAlive, type TcpMr } from "./memory.js";
 import { PSN_MASK, type QpCore } from "./qp-core.js";
+import type { ReadPort } from "./read-path.js";
 
 /**
  * A piggybacked ACK rides on a request only while the requester stream has at
@@ -103,7 +104,7 @@ export class Responder {
   }
 
   /** Takes the peer's request stream (its HELLO already matched) and starts reading it after `rest`. */
-  attach(sock: net.Socket, rest: Buffer | null): void {
+  attach(sock: net.Socket, port: ReadPort, rest: Buffer | null): void {
     this.sock = sock;
     sock.unref();
     const reader = new FrameReader(
@@ -113,13 +114,13 @@ export class Responder {
       (h) => this.onRequestRevoked(h),
     );
     this.reader = reader;
-    const feed = (chunk: Buffer): void => {
-      reader.feed(chunk);
+    const feed = (buf: Buffer, start: number, end: number): void => {
+      reader.feed(buf, start, end);
       this.scheduleAck();
       if (reader.payloadLeft > 0) this.signalProgress(reader.h);
       this.throttleRequests(sock);
     };
-    sock.on("data", feed);
+    port.sink = feed;
     sock.on("drain", () => {
       if (!this.respPaused) return;
       this.respPaused = false;
@@ -127,7 +128,7 @@ export class Responder {
     });
     sock.on("error", () => {});
     sock.on("close", () => this.qp.connectionLost("peer closed the connection"));
-    if (rest) feed(rest);
+    if (rest) feed(rest, 0, rest.length);
     sock.resume();
   }
 
@@ -189,7 +190,7 @@ export class Responder {
     return p;
   };
 
-  private respond(type: FrameType, psn: number, aux: number, op1: bigint, op2: bigint, payload: Uint8Array | null, from: TcpMr | null = null): void {
+  private respond(type: FrameType, psn: number, aux: number, op1: bigint | number, op2: number, payload: Uint8Array | null, from: TcpMr | null = null): void {
     const s = this.sock;
     if (!s || s.destroyed) return;
     // READ/atomic responses hold a responder resource until the kernel has them (see maxDestRdAtomic).
@@ -238,7 +239,7 @@ export class Responder {
       const p = this.ackPending;
       this.clearAckOwed();
       this.qp.counters.acks++;
-      this.respond(FrameType.ACK, p, Syndrome.ACK, 0n, 0n, null);
+      this.respond(FrameType.ACK, p, Syndrome.ACK, 0, 0, null);
     }
   }
 
@@ -267,14 +268,14 @@ export class Responder {
    * last cumulative ACK (ePsn - 1: everything before the current request is
    * placed and its responses are already queued ahead on this stream).
    */
-  private signalProgress(h: FrameHeader): void {
+  private signalProgress(h: DecodedHeader): void {
     if (this.respDiscard || this.qp.state !== QpState.RTS || h.payloadLen < PROGRESS_MIN_PAYLOAD) return;
     const now = performance.now();
     if (now - this.progressAt < PROGRESS_INTERVAL_MS) return;
     this.progressAt = now;
     this.qp.counters.progressAcks++;
     if (this.ackPending >= 0) this.flushAck();
-    else this.respond(FrameType.ACK, (this.ePsn - 1) & PSN_MASK, Syndrome.ACK, 0n, 0n, null);
+    else this.respond(FrameType.ACK, (this.ePsn - 1) & PSN_MASK, Syndrome.ACK, 0, 0, null);
   }
 
   private readonly ackAtTurnEnd = (): void => {
@@ -285,7 +286,7 @@ export class Responder {
   /** NAK and move the responder to ERR (class C/D errors in IBA terms). */
   private nak(psn: number, syndrome: number, reason: string): void {
     this.flushAck();
-    this.respond(FrameType.ACK, psn, syndrome, 0n, 0n, null);
+    this.respond(FrameType.ACK, psn, syndrome, 0, 0, null);
     this.reader?.place(null);
     this.respDiscard = true;
     this.qp.enterError(reason, true);
@@ -294,7 +295,7 @@ export class Responder {
   // -------------------------------------------------------------- requests
 
   /** Resolve a remote access: the bytes, or null after sending the NAK. */
-  private remoteView(h: FrameHeader, len: number, need: number): Uint8Array | null {
+  private remoteView(h: DecodedHeader, len: number, need: number): Uint8Array | null {
     if (len === 0) return new Uint8Array(0);
     const t = this.qp.pd.device.keys.get(h.rkey);
     let view: Uint8Array | null = null;
@@ -322,11 +323,11 @@ export class Responder {
     return view;
   }
 
-  private takeRecv(h: FrameHeader, len: number): RqEntry | null | "rnr" {
+  private takeRecv(h: DecodedHeader, len: number): RqEntry | null | "rnr" {
     if (this.rqHead >= this.rq.length) {
       // Receiver not ready: NAK with our RNR timer; the requester resends from this PSN.
       this.flushAck();
-      this.respond(FrameType.ACK, h.psn, Syndrome.RNR_NAK, 0n, BigInt(this.minRnrTimer), null);
+      this.respond(FrameType.ACK, h.psn, Syndrome.RNR_NAK, 0, this.minRnrTimer, null);
       this.rnrNakPsn = h.psn;
       this.reader?.place(null);
       return "rnr";
@@ -346,10 +347,10 @@ export class Responder {
     return r;
   }
 
-  private onRequestHeader(h: FrameHeader): void {
+  private onRequestHeader(h: DecodedHeader): void {
     const reader = this.reader!;
     // The ACK for our own requests counts even when the request carrying it is discarded (RNR, ERR).
-    if (h.flags & FrameFlags.ACK && this.qp.state === QpState.RTS) this.onPiggybackedAck(Number(h.op2));
+    if (h.flags & FrameFlags.ACK && this.qp.state === QpState.RTS) this.onPiggybackedAck(h.op2Lo);
     if (this.qp.state !== QpState.RTS) {
       reader.place(null);
       this.respDiscard = true;
@@ -418,7 +419,7 @@ export class Responder {
         if (v === null) return;
         // The response acknowledges everything before it.
         this.clearAckOwed();
-        this.respond(FrameType.READ_RESP, h.psn, 0, 0n, 0n, v, this.remoteMr);
+        this.respond(FrameType.READ_RESP, h.psn, 0, 0, 0, v, this.remoteMr);
         return;
       }
       case FrameType.ATOMIC: {
@@ -434,7 +435,7 @@ export class Responder {
           if (orig === h.op1) dv.setBigUint64(0, h.op2, true);
         } else dv.setBigUint64(0, BigInt.asUintN(64, orig + h.op1), true);
         this.clearAckOwed();
-        this.respond(FrameType.ATOMIC_RESP, h.psn, 0, orig, 0n, null);
+        this.respond(FrameType.ATOMIC_RESP, h.psn, 0, orig, 0, null);
         return;
       }
       default:
@@ -450,7 +451,7 @@ export class Responder {
    * cannot have reached the requester, so its request is certainly still
    * outstanding there: counting those never refuses a requester within the limit.
    */
-  private responderResource(h: FrameHeader): boolean {
+  private responderResource(h: DecodedHeader): boolean {
     if (this.respUnflushed < this.maxDestRdAtomic) return true;
     this.nak(
       h.psn,
@@ -463,14 +464,14 @@ export class Responder {
   }
 
   /** The target of an incoming WRITE/SEND went away mid-payload: remote access error, as an HCA would answer. */
-  private onRequestRevoked(h: FrameHeader): void {
+  private onRequestRevoked(h: DecodedHeader): void {
     if (this.respDiscard || this.qp.state !== QpState.RTS) return;
     if (this.curRecv) this.qp.recvCq.push(this.curRecv.wrId, WcStatus.LOC_PROT_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
     this.curRecv = null;
     this.nak(h.psn, h.type === FrameType.SEND ? Syndrome.NAK_REM_OP : Syndrome.NAK_REM_ACCESS, "target memory was deregistered while its data arrived");
   }
 
-  private onRequestDone(h: FrameHeader): void {
+  private onRequestDone(h: DecodedHeader): void {
     if (this.respDiscard || this.qp.state !== QpState.RTS) return;
     this.ePsn = (this.ePsn + 1) & PSN_MASK;
     const r = this.curRecv;

@@ -1,0 +1,106 @@
+/**
+ * issue 21 point 2: every data socket of the tcp provider is read with
+ * `onread` into a reused buffer (read-path.ts), accepted sockets too (their
+ * handle re-wrapped), and where Node cannot do that the accepted socket is
+ * read through the 'data' event instead. Both paths must carry the same
+ * bytes: SENDs of many sizes (headers split across reads), a 4 MiB WRITE and
+ * READ (payloads spanning many reads), atomics, checksummed both ways.
+ * Provider-specific: tcp only.
+ */
+import { describe, it } from "node:test";
+import assert from "node:assert/strict";
+import { createHash, randomBytes } from "node:crypto";
+import { SendFlags, WcStatus, WrOpcode, wcStatusName, type SendWr } from "../../src/transport/types.js";
+import { tcpProvider } from "../../src/transport/tcp/index.js";
+import { readPathOptions, readPathStats } from "../../src/transport/tcp/read-path.js";
+import { bytes, makeSide, mr, sge, waitCompletions, type Side } from "../support/seam.js";
+
+const MiB = 1 << 20;
+
+async function exchange(): Promise<void> {
+  const devA = await tcpProvider.openDevice("tcp-rp-a", { host: "127.0.0.1" });
+  const devB = await tcpProvider.openDevice("tcp-rp-b", { host: "127.0.0.1" });
+  try {
+    const a = makeSide(devA, { maxSendWr: 256, maxRecvWr: 256 });
+    const b = makeSide(devB, { maxSendWr: 256, maxRecvWr: 256 });
+    const attr = { timeout: 14, retryCnt: 7, rnrRetry: 7, minRnrTimer: 1 };
+    a.qp.connect(b.qp.localEndpoint(), attr);
+    b.qp.connect(a.qp.localEndpoint(), attr);
+    // SENDs A→B and B→A of sizes 0..70,000 bytes (so headers fall at every offset of a read).
+    const sizes = [0, 1, 47, 48, 49, 4095, 4096, 8191, 8192, 8193, 65535, 65536, 65537, 70_000];
+    for (const [from, to] of [
+      [a, b],
+      [b, a],
+    ] as [Side, Side][]) {
+      const src = mr(from, 80_000);
+      const dst = mr(to, sizes.length * 80_000);
+      for (let i = 0; i < sizes.length; i++) to.qp.postRecv([{ wrId: i, sgList: [sge(dst, i * 80_000, 80_000)] }]);
+      const payloads: Buffer[] = [];
+      const wrs: SendWr[] = [];
+      const srcBytes = bytes(src);
+      // One payload per SEND: each is posted after the previous completes, so the source can be reused.
+      for (let i = 0; i < sizes.length; i++) {
+        const p = randomBytes(sizes[i]!);
+        payloads.push(p);
+        srcBytes.set(p, 0);
+        wrs.length = 0;
+        wrs.push({ wrId: 100 + i, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [sge(src, 0, p.length)] });
+        from.qp.postSend(wrs);
+        const [wc] = await waitCompletions(from, 1);
+        assert.equal(wcStatusName(wc!.status), "SUCCESS");
+      }
+      const recvs = await waitCompletions(to, sizes.length);
+      const dstBytes = bytes(dst);
+      recvs.forEach((wc, i) => {
+        assert.equal(wc.status, WcStatus.SUCCESS);
+        assert.equal(wc.byteLen, sizes[i]);
+        assert.deepEqual(Buffer.from(dstBytes.subarray(i * 80_000, i * 80_000 + sizes[i]!)), payloads[i], `SEND of ${sizes[i]} bytes`);
+      });
+    }
+    // A 4 MiB WRITE A→B, then B READs it back from A's buffer, checksummed.
+    const big = 4 * MiB;
+    const srcA = mr(a, big);
+    const dstB = mr(b, big);
+    const backB = mr(b, big);
+    bytes(srcA).set(randomBytes(big));
+    const want = createHash("sha256").update(bytes(srcA)).digest("hex");
+    a.qp.postSend([{ wrId: 1, opcode: WrOpcode.RDMA_WRITE, flags: SendFlags.SIGNALED, sgList: [sge(srcA)], remoteAddr: dstB.addr, rkey: dstB.rkey }]);
+    assert.equal(wcStatusName((await waitCompletions(a, 1))[0]!.status), "SUCCESS");
+    assert.equal(createHash("sha256").update(bytes(dstB)).digest("hex"), want, "4 MiB WRITE");
+    b.qp.postSend([{ wrId: 2, opcode: WrOpcode.RDMA_READ, flags: SendFlags.SIGNALED, sgList: [sge(backB)], remoteAddr: srcA.addr, rkey: srcA.rkey }]);
+    assert.equal(wcStatusName((await waitCompletions(b, 1))[0]!.status), "SUCCESS");
+    assert.equal(createHash("sha256").update(bytes(backB)).digest("hex"), want, "4 MiB READ");
+    // A fetch-and-add (its response carries the original value in operand1).
+    const counter = mr(b, 8);
+    new DataView(counter.buffer, counter.offset, 8).setBigUint64(0, 41n, true);
+    const old = mr(a, 8);
+    a.qp.postSend([{ wrId: 3, opcode: WrOpcode.ATOMIC_FETCH_AND_ADD, flags: SendFlags.SIGNALED, sgList: [sge(old)], remoteAddr: counter.addr, rkey: counter.rkey, compareAdd: 1n }]);
+    assert.equal(wcStatusName((await waitCompletions(a, 1))[0]!.status), "SUCCESS");
+    assert.equal(new DataView(old.buffer, old.offset, 8).getBigUint64(0, true), 41n);
+    assert.equal(new DataView(counter.buffer, counter.offset, 8).getBigUint64(0, true), 42n);
+  } finally {
+    devA.close();
+    devB.close();
+  }
+}
+
+describe("tcp read path (issue 21 point 2)", () => {
+  it("issue 21 point 2: accepted sockets are read with onread (handle re-wrapped); SEND, WRITE, READ and atomics carry exact bytes", async () => {
+    const before = { ...readPathStats };
+    await exchange();
+    assert.ok(readPathStats.onread >= before.onread + 2, `both accepted streams use onread: ${JSON.stringify(readPathStats)} (before ${JSON.stringify(before)})`);
+    assert.equal(readPathStats.fallback, before.fallback, "no accepted stream fell back to 'data'");
+  });
+
+  it("issue 21 point 2: the 'data' fallback for accepted sockets (where Node cannot give them onread) carries the same bytes", async () => {
+    const before = { ...readPathStats };
+    readPathOptions.acceptWithOnread = false;
+    try {
+      await exchange();
+    } finally {
+      readPathOptions.acceptWithOnread = true;
+    }
+    assert.ok(readPathStats.fallback >= before.fallback + 2, `both accepted streams used the fallback: ${JSON.stringify(readPathStats)}`);
+    assert.equal(readPathStats.onread, before.onread);
+  });
+});
