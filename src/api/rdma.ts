@@ -10,7 +10,7 @@ import { checkAccess } from "../agent/shares.js";
 import { SharedMr, shareIn, type ShareOptions } from "./shared.js";
 import type { Context } from "./context.js";
 import { parseAddr } from "./handshake.js";
-import type { ResolvedSettings } from "./builder.js";
+import type { ResolvedSettings } from "./settings.js";
 import type { PeerInfo } from "./auth.js";
 
 export type { PeerInfo };

@@ -41,7 +41,7 @@ import { RdmaError } from "../errors.js";
 import { CmEventType as T, type CmEvent, type CmId, type DeviceAttr, type RdmaCm } from "../transport/types.js";
 import { loadProvider, type ProviderChoice } from "../transport/providers.js";
 import type { Connection } from "../agent/connection.js";
-import type { ResolvedSettings } from "./builder.js";
+import type { ResolvedSettings } from "./settings.js";
 import { Context } from "./context.js";
 import { PROTOCOL_VERSION, canonicalIp } from "./handshake.js";
 import { AUTH_FAILED_WIRE, ChallengeTable, MAX_IDENTITY_BYTES, authMac, authRefusal, checkIdentity, macEqual, nonce, wireMessage } from "./auth.js";

@@ -7,7 +7,7 @@ import { RdmaError } from "../errors.js";
 import type { QpConnectAttr } from "../transport/types.js";
 import { Connection, type ConnectionOptions } from "../agent/connection.js";
 import type { Context } from "./context.js";
-import type { ResolvedSettings } from "./builder.js";
+import type { ResolvedSettings } from "./settings.js";
 import type { Rdma } from "./rdma.js";
 
 /** @internal */

@@ -40,7 +40,7 @@ import { LineReader, PROTOCOL_VERSION, canonicalIp, helloBytes, parseHello, peer
 import { AUTH_FAILED_WIRE, authMac, authRefusal, b64Field, checkIdentity, macEqual, nonce, wireMessage } from "./auth.js";
 import { Rdma } from "./rdma.js";
 import { abandon, connectAttr, makeConnection, startConnection } from "./setup.js";
-import type { ResolvedSettings } from "./builder.js";
+import type { ResolvedSettings } from "./settings.js";
 import type { Establisher, ListenerSink, ListenerSource } from "./establish.js";
 
 /** Sockets still before their hello, per listener, for each handshake slot (they cost a socket and ≤ 16 KiB each). */
