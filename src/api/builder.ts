@@ -7,11 +7,11 @@ import type { ProviderChoice } from "../transport/providers.js";
 import type { PollingMode } from "../agent/poller.js";
 import { type Rdma, parseAddr, signalOf, whenReady } from "./rdma.js";
 import { RdmaListener } from "./listener.js";
-import type { Establisher } from "./establish.js";
+import type { Establisher } from "./establish/establisher.js";
 import type { ConnectionManager, ResolvedSettings } from "./settings.js";
-import { sideChannel } from "./sidechannel.js";
-import { rdmaCmEstablisher } from "./rdmacm.js";
-import { Auth, type AuthOptions } from "./auth.js";
+import { sideChannel } from "./establish/sidechannel.js";
+import { rdmaCmEstablisher } from "./establish/rdmacm.js";
+import { Auth, type AuthOptions } from "./establish/auth.js";
 
 export type { ResolvedSettings } from "./settings.js";
 

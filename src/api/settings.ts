@@ -7,7 +7,7 @@
  */
 import type { ProviderChoice } from "../transport/providers.js";
 import type { PollingMode } from "../agent/poller.js";
-import type { Auth } from "./auth.js";
+import type { Auth } from "./establish/auth.js";
 
 /** How connections are established: the TCP side channel ("tcp", every provider) or RDMA CM ("rdmacm", verbs only). */
 export type ConnectionManager = "tcp" | "rdmacm";

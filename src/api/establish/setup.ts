@@ -3,12 +3,12 @@
  * sidechannel.ts, and RDMA CM, rdmacm.ts): creating the QP, CQ and agent, the
  * QP's connect attributes, and abandon() for every failed setup path.
  */
-import { RdmaError } from "../errors.js";
-import type { QpConnectAttr } from "../transport/types.js";
-import { Connection, type ConnectionOptions } from "../agent/connection.js";
-import type { Context } from "./context.js";
-import type { ResolvedSettings } from "./settings.js";
-import type { Rdma } from "./rdma.js";
+import { RdmaError } from "../../errors.js";
+import type { QpConnectAttr } from "../../transport/types.js";
+import { Connection, type ConnectionOptions } from "../../agent/connection.js";
+import type { Context } from "../context.js";
+import type { ResolvedSettings } from "../settings.js";
+import type { Rdma } from "../rdma.js";
 
 /** @internal */
 /** Creates CQ, QP and agent on `ctx`; the QP is in INIT with receives posted. */

@@ -32,16 +32,17 @@
  *   client: checks mac → ready →
  */
 import * as net from "node:net";
-import { RdmaError } from "../errors.js";
-import type { DeviceAttr } from "../transport/types.js";
-import type { Connection } from "../agent/connection.js";
-import { Context } from "./context.js";
-import { LineReader, PROTOCOL_VERSION, canonicalIp, helloBytes, parseHello, peerEndpoint, sendLine, type Hello } from "./handshake.js";
+import { RdmaError } from "../../errors.js";
+import type { DeviceAttr } from "../../transport/types.js";
+import type { Connection } from "../../agent/connection.js";
+import { Context } from "../context.js";
+import { LineReader, helloBytes, parseHello, peerEndpoint, sendLine, type Hello } from "./sidechannel-wire.js";
+import { PROTOCOL_VERSION, canonicalIp } from "./protocol.js";
 import { AUTH_FAILED_WIRE, authMac, authRefusal, b64Field, checkIdentity, macEqual, nonce, wireMessage } from "./auth.js";
-import { Rdma } from "./rdma.js";
+import { Rdma } from "../rdma.js";
 import { abandon, connectAttr, makeConnection, startConnection } from "./setup.js";
-import type { ResolvedSettings } from "./settings.js";
-import type { Establisher, ListenerSink, ListenerSource } from "./establish.js";
+import type { ResolvedSettings } from "../settings.js";
+import type { Establisher, ListenerSink, ListenerSource } from "./establisher.js";
 
 /** Sockets still before their hello, per listener, for each handshake slot (they cost a socket and ≤ 16 KiB each). */
 const PRE_HELLO_PER_SLOT = 16;

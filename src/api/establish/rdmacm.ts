@@ -37,17 +37,17 @@
  */
 import { isIP } from "node:net";
 import { lookup } from "node:dns/promises";
-import { RdmaError } from "../errors.js";
-import { CmEventType as T, type CmEvent, type CmId, type DeviceAttr, type RdmaCm } from "../transport/types.js";
-import { loadProvider, type ProviderChoice } from "../transport/providers.js";
-import type { Connection } from "../agent/connection.js";
-import type { ResolvedSettings } from "./settings.js";
-import { Context } from "./context.js";
-import { PROTOCOL_VERSION, canonicalIp } from "./handshake.js";
+import { RdmaError } from "../../errors.js";
+import { CmEventType as T, type CmEvent, type CmId, type DeviceAttr, type RdmaCm } from "../../transport/types.js";
+import { loadProvider, type ProviderChoice } from "../../transport/providers.js";
+import type { Connection } from "../../agent/connection.js";
+import type { ResolvedSettings } from "../settings.js";
+import { Context } from "../context.js";
+import { PROTOCOL_VERSION, canonicalIp } from "./protocol.js";
 import { AUTH_FAILED_WIRE, ChallengeTable, MAX_IDENTITY_BYTES, authMac, authRefusal, checkIdentity, macEqual, nonce, wireMessage } from "./auth.js";
-import { Rdma } from "./rdma.js";
+import { Rdma } from "../rdma.js";
 import { abandon, connectAttr, makeConnection, startConnection } from "./setup.js";
-import type { Establisher, ListenerSink, ListenerSource } from "./establish.js";
+import type { Establisher, ListenerSink, ListenerSource } from "./establisher.js";
 
 const MAGIC = 0x6152444d; // "aRDM"
 const KIND_CONNECT = 1;
