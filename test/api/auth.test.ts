@@ -21,7 +21,7 @@ import net from "node:net";
 import { RdmaBuilder, RdmaError, type Rdma, type RdmaListener } from "../../src/index.js";
 import { Context, contextStats } from "../../src/api/context.js";
 import { ChallengeTable, authMac } from "../../src/api/establish/auth.js";
-import { CM_MAC_BYTES, CM_NONCE_BYTES, acceptMac, connectMac, decodeAuthConnect, decodeAuthRequest, decodeChallenge, decodeReject, encodeAuthConnect, encodeAuthRequest, encodeChallenge, encodeHello } from "../../src/api/establish/rdmacm.js";
+import { CM_MAC_BYTES, CM_NONCE_BYTES, acceptMac, connectMac, decodeAuthConnect, decodeAuthRequest, decodeChallenge, decodeReject, encodeAuthConnect, encodeAuthRequest, encodeChallenge, encodeHello } from "../../src/api/establish/rdmacm-wire.js";
 import { helloBytes, parseHello } from "../../src/api/establish/sidechannel-wire.js";
 import { canonicalIp } from "../../src/api/establish/protocol.js";
 import type { CmEvent, CmId, Endpoint } from "../../src/transport/types.js";
