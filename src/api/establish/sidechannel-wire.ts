@@ -14,9 +14,16 @@
 import * as net from "node:net";
 import { RdmaError } from "../../errors.js";
 import type { Endpoint, ProviderName } from "../../transport/types.js";
+import type { Connection } from "../../agent/connection.js";
+import type { Context } from "../context.js";
+import type { ResolvedSettings } from "../settings.js";
 import { PROTOCOL_VERSION, canonicalIp } from "./protocol.js";
 
 const MAX_LINE = 16 * 1024;
+/** Bytes of each side's nonce (authenticated handshake). */
+export const NONCE_BYTES = 16;
+/** Bytes of a proof or MAC (HMAC-SHA256, whole). */
+export const MAC_BYTES = 32;
 
 export interface Hello {
   asyncRdma: number;
@@ -139,6 +146,19 @@ export class LineReader {
  * cover): provider, every endpoint field as sent, depths and limits. Both
  * sides compute it from the validated hello, so JSON spelling does not matter.
  */
+/** This side's hello: its endpoint and what it accepts (the fields parseHello checks on the other side). */
+export function localHello(ctx: Context, conn: Connection, s: ResolvedSettings): Record<string, unknown> {
+  return {
+    asyncRdma: PROTOCOL_VERSION,
+    provider: ctx.provider.name,
+    endpoint: conn.qp.localEndpoint({ portNum: s.port, gidIndex: s.gidIndex }),
+    recvDepth: s.recvDepth,
+    eagerMax: s.eagerMax,
+    maxMessageSize: s.maxMessageSize,
+    maxRdAtomic: s.maxRdAtomic,
+  };
+}
+
 export function helloBytes(h: Hello): Buffer {
   const e = h.endpoint;
   return Buffer.from(JSON.stringify([h.provider, e.qpNum, e.psn, e.lid, e.gid, e.port, e.mtu, h.recvDepth, h.eagerMax, h.maxMessageSize ?? null, h.maxRdAtomic ?? null]), "utf8");
