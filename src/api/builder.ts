@@ -9,8 +9,7 @@ import { type Rdma, parseAddr, signalOf, whenReady } from "./rdma.js";
 import { RdmaListener } from "./listener.js";
 import type { Establisher } from "./establish/establisher.js";
 import type { ConnectionManager, ResolvedSettings } from "./settings.js";
-import { sideChannel } from "./establish/index.js";
-import { rdmaCmEstablisher } from "./establish/rdmacm.js";
+import { rdmaCmEstablisher, sideChannel } from "./establish/index.js";
 import { Auth, type AuthOptions } from "./establish/auth.js";
 
 export type { ResolvedSettings } from "./settings.js";
