@@ -12,13 +12,15 @@
 //    - transport/validate.ts imports only transport/types.ts and errors.ts (it is pure, below both providers);
 //    - above transport, a provider is reached only through its entry point (its index.ts),
 //      except the imports in ALLOWED_INTERNALS below.
-// 3. No import cycles between files anywhere in src/, except ALLOWED_CYCLES below. Runtime
-//    imports count (static, re-exports, side-effect and dynamic import()); imports that are
-//    type-only by their syntax (`import type`, `import { type A }`, `typeof import()`) are
-//    erased by tsc and do not. `--types` also lists the cycles through type-only imports
-//    (informational: they never fail).
+// 3. No import cycles between files anywhere in src/, except ALLOWED_CYCLES below. Every import
+//    counts: static, re-exports, side-effect, dynamic import(), and type-only ones (`import type`,
+//    `import { type A }`, `typeof import()`). tsc erases the type-only ones, so they cannot break
+//    module loading, but a circle of types is still a circle of files that cannot be read, tested
+//    or moved one at a time (issue 20): a type both sides need goes in a file of its own below
+//    both (as src/api/settings.ts, src/memory/pool.ts's KeptMemory). A cycle is reported with the
+//    kind of each import on its path, so a type-only one is told apart from a runtime one.
 //
-// Rules 1 and 2 count every import, type-only ones included: a type is a dependency on the
+// All three rules count every import, type-only ones included: a type is a dependency on the
 // module that declares it.
 import { existsSync, readdirSync, readFileSync, statSync } from "node:fs";
 import { dirname, join, relative, resolve, sep } from "node:path";
@@ -57,8 +59,6 @@ const ALLOWED_INTERNALS = [
 const ALLOWED_CYCLES = [
   // none
 ];
-
-const listTypeCycles = process.argv.includes("--types");
 
 /** Every .ts file under src/, as paths relative to src/ with "/" separators. */
 function listFiles() {
@@ -237,21 +237,20 @@ function cyclePath(comp, adj) {
 }
 
 const usedCycles = new Set();
-for (const { comp, path } of cycles(["static", "dynamic"])) {
+/** The kinds of the imports from `a` to `b` (e.g. "type", "static"), for the report. */
+const kindsOf = (a, b) => [...new Set(edges.filter((e) => e.from === a && e.to === b).map((e) => e.kind))].join("+");
+for (const { comp, path } of cycles(["static", "dynamic", "type"])) {
   const allowed = ALLOWED_CYCLES.find((c) => c.files.length === comp.length && c.files.every((f) => comp.includes(f)));
   if (allowed) usedCycles.add(allowed);
-  else violations.push(`import cycle: ${path.map((f) => `src/${f}`).join(" → ")}${comp.length > path.length - 1 ? ` (the cycle spans ${comp.join(", ")})` : ""}`);
+  else {
+    const steps = path.slice(1).map((f, i) => ` →(${kindsOf(path[i], f)}) src/${f}`).join("");
+    violations.push(`import cycle (type-only imports count too): src/${path[0]}${steps}${comp.length > path.length - 1 ? ` (the cycle spans ${comp.join(", ")})` : ""}`);
+  }
 }
 
 for (const l of SEAM_LOADS) if (!usedLoads.has(l)) console.warn(`note: SEAM_LOADS entry ${l.from} → ${l.to} matches no import any more; remove it from scripts/check-layers.mjs`);
 for (const a of ALLOWED_INTERNALS) if (!usedInternals.has(a)) console.warn(`note: ALLOWED_INTERNALS entry ${a.from} → ${a.to} matches no import any more; remove it from scripts/check-layers.mjs`);
 for (const c of ALLOWED_CYCLES) if (!usedCycles.has(c)) console.warn(`note: ALLOWED_CYCLES entry ${c.files.join(" ↔ ")} is no longer a cycle; remove it from scripts/check-layers.mjs`);
-
-if (listTypeCycles) {
-  const typed = cycles(["static", "dynamic", "type"]);
-  console.log(typed.length === 0 ? "no cycles through type-only imports either" : "cycles counting type-only imports (informational):");
-  for (const { comp, path } of typed) console.log(`  ${path.join(" → ")}${comp.length > path.length - 1 ? `  [component: ${comp.join(", ")}]` : ""}`);
-}
 
 if (violations.length) {
   console.error(`import violations (scripts/check-layers.mjs):\n  ${violations.join("\n  ")}`);

@@ -7,7 +7,7 @@
  */
 export { RdmaBuilder, type ResolvedSettings } from "./api/builder.js";
 export { Rdma, type OpOptions } from "./api/rdma.js";
-export type { AuthOptions, AuthKey, AuthKeyLookup, PeerInfo } from "./api/auth.js";
+export type { AuthOptions, AuthKey, AuthKeyLookup, PeerInfo } from "./api/establish/auth.js";
 export { RdmaListener } from "./api/listener.js";
 export { LocalMr, RemoteMr, type RemoteAccess, type RemoteOrigin } from "./memory/mr.js";
 export { SharedMr, type ShareOptions, type ShareAccess } from "./api/shared.js";

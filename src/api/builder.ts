@@ -7,52 +7,12 @@ import type { ProviderChoice } from "../transport/providers.js";
 import type { PollingMode } from "../agent/poller.js";
 import { type Rdma, parseAddr, signalOf, whenReady } from "./rdma.js";
 import { RdmaListener } from "./listener.js";
-import type { ConnectionManager, Establisher } from "./establish.js";
-import { sideChannel } from "./sidechannel.js";
-import { rdmaCmEstablisher } from "./rdmacm.js";
-import { Auth, type AuthOptions } from "./auth.js";
+import type { Establisher } from "./establish/establisher.js";
+import type { ConnectionManager, ResolvedSettings } from "./settings.js";
+import { rdmaCmEstablisher, sideChannel } from "./establish/index.js";
+import { Auth, type AuthOptions } from "./establish/auth.js";
 
-/** The settings a connection runs with: the builder's, checked and completed against the device's limits. */
-export interface ResolvedSettings {
-  provider: ProviderChoice;
-  device: string | undefined;
-  port: number;
-  gidIndex: number;
-  cqSize: number;
-  maxSendWr: number;
-  maxRecvWr: number;
-  maxInlineData: number;
-  mtu: number;
-  ackTimeout: number;
-  retryCount: number;
-  rnrRetry: number;
-  minRnrTimer: number;
-  maxRdAtomic: number;
-  qpAccess: number;
-  polling: PollingMode;
-  spinUs: number;
-  eagerMax: number;
-  recvDepth: number;
-  quotaBytes: number;
-  maxRegions: number;
-  leaseGraceMs: number;
-  peerTimeoutMs: number;
-  rendezvousTimeoutMs: number;
-  defaultLeaseMs: number;
-  maxLeaseMs: number;
-  connectTimeoutMs: number;
-  closeTimeoutMs: number;
-  keepaliveMs: number;
-  maxMessageSize: number;
-  /** Connections a listener sets up at once (holding a QP, before the client's ready). */
-  maxHandshakes: number;
-  /** Connections a listener holds at once (established, or set up past the hello). */
-  maxConnections: number;
-  /** How connections are established: the TCP side channel, or RDMA CM (verbs only; rdmacm.ts). */
-  cm: ConnectionManager;
-  /** @internal Peer authentication (setAuth); null: unauthenticated (trusted fabric). */
-  auth: Auth | null;
-}
+export type { ResolvedSettings } from "./settings.js";
 
 function envProvider(): ProviderChoice {
   const p = process.env.ASYNC_RDMA_PROVIDER;

@@ -1,6 +1,7 @@
 /**
  * Resources shared by connections: devices (process-wide, reference counted)
- * and contexts (a protection domain + its MR pool).
+ * and contexts (a protection domain + its MR pool; not an ibv_context, which
+ * is the transport's Device: see the class comment).
  *
  * Isolation: a context is shared only by connections to one peer (an Rdma
  * and its newConnection() siblings). A listener keeps a root context (device,
@@ -52,7 +53,18 @@ export function contextStats(): { live: number } {
   return { live: liveContexts };
 }
 
-/** @internal */
+/**
+ * @internal
+ * Not an `ibv_context`. A verbs programmer reading "context" expects the
+ * opened device (`ibv_open_device`); here that is the transport's `Device`
+ * (`this.device`, shared process-wide and reference counted). A `Context` is
+ * one connection family's resources on it: a protection domain
+ * (`ibv_alloc_pd`), the memory pool registered in it (`MrPool`) and the
+ * table of regions shared by name. An `Rdma` and its newConnection()
+ * siblings share one; a listener's is forked for every accepted connection
+ * (`fork()`: same device, a PD and pool of its own). The name is internal
+ * only: no public type or export shows it.
+ */
 export class Context {
   refs = 1;
   /** Regions shared by name from this context's memory (a fork's table falls through to its parent's: the listener's shares). */

@@ -8,7 +8,7 @@
 import { RdmaError, checkInt } from "../errors.js";
 import { AsyncQueue } from "../agent/queue.js";
 import { signalOf, whenReady, type Rdma } from "./rdma.js";
-import type { ListenerSink, ListenerSource } from "./establish.js";
+import type { ListenerSink, ListenerSource } from "./establish/establisher.js";
 import type { Context } from "./context.js";
 import { LocalMemory, LocalMr } from "../memory/mr.js";
 import { SharedMr, shareIn, type ShareOptions } from "./shared.js";

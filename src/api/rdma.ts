@@ -9,9 +9,9 @@ import type { PeerLimits } from "../agent/memory-protocol.js";
 import { checkAccess } from "../agent/shares.js";
 import { SharedMr, shareIn, type ShareOptions } from "./shared.js";
 import type { Context } from "./context.js";
-import { parseAddr } from "./handshake.js";
-import type { ResolvedSettings } from "./builder.js";
-import type { PeerInfo } from "./auth.js";
+import { parseAddr } from "./establish/protocol.js";
+import type { ResolvedSettings } from "./settings.js";
+import type { PeerInfo } from "./establish/auth.js";
 
 export type { PeerInfo };
 

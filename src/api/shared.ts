@@ -5,7 +5,7 @@
 import { RdmaError, checkInt } from "../errors.js";
 import { REVOKE_WAIT_MS, checkAccess, type Share, type ShareAccess, type ShareTable } from "../agent/shares.js";
 import type { LocalMr } from "../memory/mr.js";
-import type { PeerInfo } from "./auth.js";
+import type { PeerInfo } from "./establish/auth.js";
 
 export type { ShareAccess };
 

@@ -19,7 +19,6 @@
  * registration), so it can be detached while the memory is lent to the peer
  * and replaced by a fresh one when it comes back (suspend/resume).
  */
-import type { LocalMemory } from "./mr.js";
 import { RdmaError, checkInt } from "../errors.js";
 import { Access, type MemoryRegion, type ProtectionDomain } from "../transport/types.js";
 import { detachArrayBuffer } from "../transport/buffers.js";
@@ -39,6 +38,17 @@ const SLAB_BYTES = 1 << 20;
  * not pay up front. Later slabs of the class are SLAB_BYTES.
  */
 const FIRST_SLAB_CHUNKS = 16;
+
+/**
+ * What the pool needs of kept received memory (a LocalMemory, mr.ts), stated here so pool.ts
+ * does not import mr.ts, which imports it (no import cycle, type-only ones included).
+ */
+export interface KeptMemory {
+  readonly alloc: Allocation;
+  readonly userHeld: boolean;
+  migrate(): boolean;
+  releaseCharge(): void;
+}
 
 export interface Allocation {
   /** The registration covering the bytes. */
@@ -67,7 +77,7 @@ interface PooledAllocation extends Allocation {
   /** `buffer` is an alias of its own (native memory): detachable without freeing. */
   aliased: boolean;
   /** Received memory to move out, not free, when the pool closes (keep()). */
-  kept: LocalMemory | null;
+  kept: KeptMemory | null;
 }
 
 export interface PoolStats {
@@ -211,11 +221,11 @@ export class MrPool {
    * freed, so a received message stays readable. Marked on the allocation
    * (no set to maintain per message); a LocalMemory is unmarked when freed.
    */
-  keep(m: LocalMemory): void {
+  keep(m: KeptMemory): void {
     (m.alloc as PooledAllocation).kept = m;
   }
 
-  unkeep(m: LocalMemory): void {
+  unkeep(m: KeptMemory): void {
     const a = m.alloc as PooledAllocation;
     if (a.kept === m) a.kept = null;
   }

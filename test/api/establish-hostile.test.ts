@@ -23,7 +23,7 @@ import assert from "node:assert/strict";
 import net from "node:net";
 import { EventEmitter } from "node:events";
 import { RdmaError, type RdmaListener } from "../../src/index.js";
-import { LineReader } from "../../src/api/handshake.js";
+import { LineReader } from "../../src/api/establish/sidechannel-wire.js";
 import { MsgType } from "../../src/agent/codec.js";
 import type { Device, Endpoint } from "../../src/transport/types.js";
 import { CM, PROVIDER, at, builder, eventually, pattern } from "../support/api.js";

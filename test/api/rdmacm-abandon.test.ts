@@ -11,7 +11,7 @@
  */
 import { before, describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { encodeHello } from "../../src/api/rdmacm.js";
+import { encodeHello } from "../../src/api/establish/rdmacm-wire.js";
 import { contextStats } from "../../src/api/context.js";
 import type { RdmaListener } from "../../src/index.js";
 import { CM, HOST, PROVIDER, at, builder, eventually, pattern } from "../support/api.js";

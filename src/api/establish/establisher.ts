@@ -4,13 +4,11 @@
  * builder picks one (`setConnectionManager`); the listener and `Rdma` only
  * see this interface.
  */
-import type { RdmaError } from "../errors.js";
-import type { DeviceAttr } from "../transport/types.js";
-import type { ResolvedSettings } from "./builder.js";
-import type { Context } from "./context.js";
-import type { Rdma } from "./rdma.js";
-
-export type ConnectionManager = "tcp" | "rdmacm";
+import type { RdmaError } from "../../errors.js";
+import type { DeviceAttr } from "../../transport/types.js";
+import type { ConnectionManager, ResolvedSettings } from "../settings.js";
+import type { Context } from "../context.js";
+import type { Rdma } from "../rdma.js";
 
 /** @internal */
 /** What a listening source hands its connections and failed handshakes to. */

@@ -3,12 +3,24 @@
  * sidechannel.ts, and RDMA CM, rdmacm.ts): creating the QP, CQ and agent, the
  * QP's connect attributes, and abandon() for every failed setup path.
  */
-import { RdmaError } from "../errors.js";
-import type { QpConnectAttr } from "../transport/types.js";
-import { Connection, type ConnectionOptions } from "../agent/connection.js";
-import type { Context } from "./context.js";
-import type { ResolvedSettings } from "./builder.js";
-import type { Rdma } from "./rdma.js";
+import { RdmaError } from "../../errors.js";
+import type { DeviceAttr, QpConnectAttr } from "../../transport/types.js";
+import { Connection, type ConnectionOptions } from "../../agent/connection.js";
+import { Context } from "../context.js";
+import type { ResolvedSettings } from "../settings.js";
+import type { Rdma } from "../rdma.js";
+
+/** @internal */
+/** Opens a context on the builder's provider and device, with the settings checked against that device (released if they do not fit). */
+export async function openContext(base: ResolvedSettings, resolve: (attr: DeviceAttr) => ResolvedSettings): Promise<{ ctx: Context; s: ResolvedSettings }> {
+  const ctx = await Context.open(base.provider, base.device);
+  try {
+    return { ctx, s: resolve(ctx.device.attr) };
+  } catch (e) {
+    ctx.release();
+    throw e;
+  }
+}
 
 /** @internal */
 /** Creates CQ, QP and agent on `ctx`; the QP is in INIT with receives posted. */
