@@ -756,9 +756,9 @@ export class Connection implements MemoryHost {
   private teardown(): void {
     if (this.closed) return;
     this.closed = true;
-    this.releaseAll();
     this.poller.stop();
-    this.qp.onEvent = null;
+    this.destroyQueues();
+    this.releaseAll();
     this.onClosed();
     for (const r of this.closedWaiters.splice(0)) r();
   }
@@ -794,8 +794,8 @@ export class Connection implements MemoryHost {
   }
 
   /**
-   * A connection whose setup failed before start(): frees its receive and
-   * control buffers and marks it closed. The caller destroys the QP and CQ.
+   * A connection whose setup failed before start(): destroys its QP and CQ,
+   * frees its receive and control buffers and marks it closed.
    */
   abandon(reason: RdmaError): void {
     if (this.closed) return;
@@ -803,9 +803,27 @@ export class Connection implements MemoryHost {
     this.inbox.abandon();
     this.closed = true;
     this.memory.fail(reason);
-    this.releaseAll();
     this.poller.stop();
+    this.destroyQueues();
+    this.releaseAll();
+  }
+
+  /**
+   * The agent owns its QP and CQ and destroys them, once, before freeing the
+   * buffers posted to them: the device stops using them first.
+   */
+  private destroyQueues(): void {
     this.qp.onEvent = null;
+    try {
+      this.qp.destroy();
+    } catch {
+      /* already destroyed */
+    }
+    try {
+      this.cq.destroy();
+    } catch {
+      /* already destroyed */
+    }
   }
 
   private readonly closedWaiters: (() => void)[] = [];

@@ -323,17 +323,8 @@ export class Rdma {
 
   /** @internal called by the connection after teardown */
   releaseResources(): void {
+    // The agent destroyed its QP and CQ before it called here (Connection.teardown).
     for (const m of [...this.userMrs]) m.release();
-    try {
-      this.conn.qp.destroy();
-    } catch {
-      /* gone */
-    }
-    try {
-      this.conn.cq.destroy();
-    } catch {
-      /* gone */
-    }
     this.ctx.release();
     const f = this.onReleased;
     this.onReleased = null;

@@ -104,17 +104,8 @@ export function startConnection(conn: Connection, rdma: Rdma, holder: { rdma: Rd
  */
 export function abandon(conn: Connection | null, ctx: Context | null): void {
   if (conn) {
-    try {
-      conn.qp.destroy();
-    } catch {
-      /* already destroyed */
-    }
-    try {
-      conn.cq.destroy();
-    } catch {
-      /* already destroyed */
-    }
-    // The agent's receive and control buffers (from a pool that may be shared with siblings).
+    // The agent destroys its QP and CQ, then frees its receive and control buffers (from a pool
+    // that may be shared with siblings).
     conn.abandon(new RdmaError("CONNECTION_CLOSED", "the connection was abandoned during setup"));
   }
   ctx?.release();
