@@ -40,6 +40,7 @@ import { MemoryProtocol, type CtrlMsg, type MemoryHost, type PeerLimits } from "
 import type { Share } from "./shares.js";
 import type { RemoteAccess } from "../memory/mr.js";
 import { Poller } from "./poller.js";
+import { Traffic } from "./stats.js";
 
 import type { PollingMode } from "./poller.js";
 export type { PollingMode };
@@ -160,6 +161,7 @@ interface Pending {
 
 interface RndvOut {
   mr: MemoryRegion;
+  /** Replaced by a flushing close that waits for it (rendezvousSettled). */
   resolve: () => void;
   reject: (e: unknown) => void;
   /** Why it was cancelled (abort or deadline); the peer's RNDV_DONE decides the outcome. */
@@ -240,6 +242,8 @@ export class Connection implements MemoryHost {
   private unsubscribeBudget: (() => void) | null = null;
   readonly memory: MemoryProtocol;
   private readonly live: Liveness;
+  /** Messages and bytes each way, rendezvous, credit stalls (stats.ts). */
+  readonly traffic = new Traffic();
 
   /** Last time the peer showed progress (a completion or an arrival), or this side began to wait. */
 
@@ -496,7 +500,11 @@ export class Connection implements MemoryHost {
           continue;
         }
         const need = min(p);
-        if (!this.cr.canSend(need)) break;
+        if (!this.cr.canSend(need)) {
+          if (q === this.dataQ) this.traffic.stall();
+          break;
+        }
+        if (q === this.dataQ) this.traffic.stalled = false;
         q.shift();
         p.op.posted = true;
         p.onPost?.();
@@ -632,6 +640,8 @@ export class Connection implements MemoryHost {
     const len = lmr.length;
     if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
     if (len > 2 ** 32 - 1) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message is longer than the protocol carries (2^32 - 1)`);
+    this.traffic.messagesSent++;
+    this.traffic.bytesSent += len;
     if (len <= this.peer.eagerMax) {
       const op = this.newOp("msg");
       const hdr = this.takeHdr();
@@ -662,6 +672,7 @@ export class Connection implements MemoryHost {
    */
   private sendRendezvous(lmr: LocalMr, imm: number | undefined, signal?: AbortSignal): Promise<void> {
     const len = lmr.length;
+    this.traffic.rendezvousSent++;
     const token = this.nextToken;
     this.nextToken = (this.nextToken + 1) >>> 0 || 1;
     // Mid sizes are copied into this connection's bounce memory (registered once); larger
@@ -1022,6 +1033,8 @@ export class Connection implements MemoryHost {
           return this.protocolError(`DATA message claims ${m.a} bytes but carries ${byteLen - HDR}`);
         }
         const lmr = new LocalMr(mem, HDR, m.a);
+        this.traffic.messagesReceived++;
+        this.traffic.bytesReceived += m.a;
         // The buffer now belongs to the user; a new one is posted unless too much is held unread.
         this.inbox.pushMessage(lmr, m.flags & 1 ? m.imm : undefined);
         return;
@@ -1084,6 +1097,9 @@ export class Connection implements MemoryHost {
           return;
         }
         this.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, a: RndvStatus.DELIVERED });
+        this.traffic.messagesReceived++;
+        this.traffic.bytesReceived += r.len;
+        this.traffic.rendezvousReceived++;
         this.inbox.ready(entry, new LocalMr(dst, 0, r.len));
       };
       this.postTransfer(op, WrOpcode.RDMA_READ, new LocalMr(dst, 0, r.len), r.addr, r.rkey, undefined, 0, true);
@@ -1147,9 +1163,12 @@ export class Connection implements MemoryHost {
 
   /** The peer sent CLOSE: it sends nothing after it, and anything that comes anyway is not delivered. */
   private peerClosed = false;
+  /** The connection ended by a close of either side (CLOSE sent or received before any failure), not by a failure. */
+  endedCleanly = false;
 
   private onPeerClose(): void {
     this.peerClosed = true;
+    if (!this.failure) this.endedCleanly = true;
     this.fail(new RdmaError("CONNECTION_CLOSED", "the peer closed the connection"));
   }
 
@@ -1273,23 +1292,47 @@ export class Connection implements MemoryHost {
   /**
    * Graceful close: tells the peer (its pending receives reject with
    * CONNECTION_CLOSED), waits for that message to leave, then tears down.
+   * `flush`: the peer receives everything sent before (resolves false when
+   * `timeoutMs` ran out first: the rest was dropped).
    */
-  async close(timeoutMs: number): Promise<void> {
+  async close(timeoutMs: number, flush = false): Promise<boolean> {
     // Closing this side drops what the peer sent and nobody read.
     if (this.failure) this.inbox.dropUnread(this.closed);
     if (this.closing || this.failure) {
       if (this.failure && !this.closed) await this.waitClosed(timeoutMs);
-      return;
+      // Already ended: what did not reach the peer was reported on its own operation.
+      return true;
     }
     this.closing = true;
+    let timer: NodeJS.Timeout | null = null;
+    const expired = new Promise<false>((r) => (timer = setTimeout(() => r(false), timeoutMs)));
+    // Flushing (lifecycle.ts): every rendezvous send is taken by the peer first, and the CLOSE
+    // goes in the data lane behind every queued send and write, so its completion means the
+    // peer has received all of them.
+    let flushed = !flush || this.rndvOut.size === 0 || (await Promise.race([this.rendezvousSettled(), expired]));
     const op = this.newOp("msg");
     const sent = this.track<void>(op, undefined);
-    this.sendCtrl({ type: MsgType.CLOSE }, op);
-    let timer: NodeJS.Timeout | null = null;
-    await Promise.race([sent.catch(() => {}), new Promise<void>((r) => (timer = setTimeout(r, timeoutMs)))]);
+    this.sendCtrl({ type: MsgType.CLOSE }, op, 1, flush);
+    flushed = (await Promise.race([sent.then(() => true, () => false), expired])) && flushed;
     if (timer) clearTimeout(timer);
+    if (!this.failure) this.endedCleanly = true;
     this.fail(new RdmaError("CONNECTION_CLOSED", "the connection was closed by this side"));
     await this.waitClosed(timeoutMs);
+    return flushed || !flush;
+  }
+
+  /** Resolves once every rendezvous send started so far is settled (taken by the peer, cancelled or failed). */
+  private rendezvousSettled(): Promise<true> {
+    return Promise.all(
+      [...this.rndvOut.values()].map(
+        (r) =>
+          new Promise<void>((done) => {
+            const { resolve, reject } = r;
+            r.resolve = () => (resolve(), done());
+            r.reject = (e) => (reject(e), done());
+          }),
+      ),
+    ).then(() => true);
   }
 
   private waitClosed(timeoutMs: number): Promise<void> {
@@ -1303,8 +1346,18 @@ export class Connection implements MemoryHost {
     });
   }
 
+  /** Whether the connection keeps the process alive (Rdma.ref/unref; poller.ts). */
+  setKeepAlive(on: boolean): void {
+    this.poller.setKeepAlive(on);
+  }
+
   get isClosed(): boolean {
     return this.closed;
+  }
+
+  /** Work requests posted and not completed, plus those queued to be posted (stats). */
+  get workInFlight(): number {
+    return this.sqOutstanding + this.creditQ.length + this.rdQ.length + this.ctrlQ.length + this.dataQ.length;
   }
 
   stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number; sharesOpenedByPeer: number; sharesOpened: number; recycledReceives: number; creditMessages: number } {

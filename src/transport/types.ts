@@ -431,6 +431,12 @@ export interface CompletionQueue {
    * adaptive polling then wait for the notification instead of spinning.
    */
   readonly eventDriven?: boolean;
+  /**
+   * Whether an armed CQ with a handler keeps the process alive (default
+   * true, as a socket being read does); false lets the process exit while
+   * the CQ waits, as `socket.unref()` does.
+   */
+  setKeepAlive?(on: boolean): void;
   /** ibv_destroy_cq. */
   destroy(): void;
 }
@@ -444,6 +450,8 @@ export interface QueuePair {
   readonly recvCq: CompletionQueue;
   /** Effective caps after creation (maxInlineData may exceed what was asked). */
   readonly caps: { maxSendWr: number; maxRecvWr: number; maxSendSge: number; maxRecvSge: number; maxInlineData: number };
+  /** RNR NAKs answered with a retry, where the provider counts them (the tcp provider; an HCA retries unseen). */
+  readonly rnrRetries?: number;
   /** This QP's half of the out-of-band exchange. */
   localEndpoint(attr?: { portNum?: number; gidIndex?: number }): Endpoint;
   /** INIT → RTR → RTS against the peer's endpoint (ibv_modify_qp twice). */
