@@ -228,8 +228,7 @@ export class Rdma {
     if (!(buffer instanceof ArrayBuffer) && !shared) {
       throw new RdmaError("INVALID_ARGUMENT", `registerMr takes an ArrayBuffer or a SharedArrayBuffer${ArrayBuffer.isView(buffer) ? " (register view.buffer; a small Buffer is a slice of Node's shared pool: send it, it is copied)" : ""}`);
     }
-    if (shared && (buffer as SharedArrayBuffer & { growable?: boolean }).growable) throw new RdmaError("INVALID_ARGUMENT", "registerMr: a growable SharedArrayBuffer can grow past the registration; register a fixed-length one");
-    const mr = this.ctx.pd.registerMr(buffer as ArrayBuffer, Access.LOCAL_WRITE, offset, length);
+    const mr = this.ctx.pd.registerMr(buffer, Access.LOCAL_WRITE, offset, length);
     const mem = new LocalMemory(null, { mr, addr: mr.addr, length: mr.length, buffer: buffer as ArrayBuffer, bufOffset: mr.offset, mrBufOffset: mr.offset }, () => this.userMrs.delete(mem));
     this.userMrs.add(mem);
     return new LocalMr(mem, 0, mr.length);

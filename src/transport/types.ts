@@ -353,7 +353,7 @@ export interface ProtectionDomain {
    * (the MR keeps it alive; `offset`/`length` select a range).
    * Remote write or atomic access without LOCAL_WRITE is refused (EINVAL), as verbs does.
    */
-  registerMr(memory: number | ArrayBuffer, access: number, offset?: number, length?: number): MemoryRegion;
+  registerMr(memory: number | ArrayBuffer | SharedArrayBuffer, access: number, offset?: number, length?: number): MemoryRegion;
   /** Allocates a type-2 memory window (throws PROVIDER/INVALID if unsupported). */
   allocMw(type?: 1 | 2): MemoryWindow;
   /** ibv_create_qp followed by the RESET → INIT transition: the QP comes back in INIT, ready for postRecv. */
