@@ -1292,10 +1292,11 @@ export class Connection implements MemoryHost {
   /**
    * Graceful close: tells the peer (its pending receives reject with
    * CONNECTION_CLOSED), waits for that message to leave, then tears down.
-   * `flush`: the peer receives everything sent before (resolves false when
-   * `timeoutMs` ran out first: the rest was dropped).
+   * `flush`: the peer receives everything sent before; otherwise resolves
+   * with what ended the connection first, or null when `timeoutMs` ran out
+   * (the rest was dropped).
    */
-  async close(timeoutMs: number, flush = false): Promise<boolean> {
+  async close(timeoutMs: number, flush = false): Promise<true | RdmaError | null> {
     // Closing this side drops what the peer sent and nobody read.
     if (this.failure) this.inbox.dropUnread(this.closed);
     if (this.closing || this.failure) {
@@ -1315,10 +1316,12 @@ export class Connection implements MemoryHost {
     this.sendCtrl({ type: MsgType.CLOSE }, op, 1, flush);
     flushed = (await Promise.race([sent.then(() => true, () => false), expired])) && flushed;
     if (timer) clearTimeout(timer);
+    // What ended a flush that did not finish: a failure (or the peer's close) meanwhile, else the timeout (null).
+    const cause = this.failure;
     if (!this.failure) this.endedCleanly = true;
     this.fail(new RdmaError("CONNECTION_CLOSED", "the connection was closed by this side"));
     await this.waitClosed(timeoutMs);
-    return flushed || !flush;
+    return flushed || !flush ? true : cause;
   }
 
   /** Resolves once every rendezvous send started so far is settled (taken by the peer, cancelled or failed). */

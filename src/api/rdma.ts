@@ -288,8 +288,12 @@ export class Rdma {
 
   /** The next message, in a LocalMr of exactly its length (dispose it when done). */
   receive(opts?: OpOptions): Promise<LocalMr> {
-    if (tracing()) return traced(this, "receive", 0, async () => (await this.conn.receive(signalOf(opts))).mr);
-    return guard(async () => (await this.conn.receive(signalOf(opts))).mr);
+    if (tracing()) return traced(this, "receive", 0, () => this.receiveMr(opts));
+    return this.receiveMr(opts);
+  }
+
+  private async receiveMr(opts: OpOptions | undefined): Promise<LocalMr> {
+    return (await this.conn.receive(signalOf(opts))).mr;
   }
 
   /** The next message and its immediate data (undefined when it was sent without). */
@@ -529,7 +533,9 @@ export class Rdma {
    * CONNECTION_CLOSED. With `{ flush: true }`, close() resolves only once
    * the peer has received everything sent before (it may still be reading
    * it): a sender that closes loses nothing. Past `timeoutMs` (default 30 s
-   * with flush) it closes anyway and rejects with TIMEOUT.
+   * with flush) it closes anyway and rejects with TIMEOUT; when the
+   * connection ends first (the peer closed, or it failed), it rejects with
+   * that error's code.
    *
    * @example
    * for (const chunk of chunks) void rdma.send(chunk);
@@ -544,8 +550,10 @@ export class Rdma {
       return Promise.reject(e);
     }
     if (debug.enabled) debug("close%s: peer %s:%d", o.flush ? " (flush)" : "", this.peer.address, this.peer.port);
-    this.closePromise = this.conn.close(o.timeoutMs, o.flush).then((flushed) => {
-      if (!flushed) throw new RdmaError("TIMEOUT", `close: the peer did not take everything sent within ${o.timeoutMs} ms (timeoutMs); the connection is closed and the rest was dropped`);
+    this.closePromise = this.conn.close(o.timeoutMs, o.flush).then((r) => {
+      if (r === true) return;
+      if (r === null) throw new RdmaError("TIMEOUT", `close: the peer did not take everything sent within ${o.timeoutMs} ms (timeoutMs); the connection is closed and the rest was dropped`);
+      throw new RdmaError(r.code, `close: the connection ended before the peer took everything sent: ${r.message}`, { cause: r });
     });
     return this.closePromise;
   }

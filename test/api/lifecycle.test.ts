@@ -43,13 +43,13 @@ describe(`connection lifecycle [${PROVIDER}, ${CM}]`, { timeout: 10 * DEADLINE }
       const { client, server } = p;
       await Promise.all(SIZES.map((n, i) => client.send(pattern(n, i + 1))));
       await client.close();
-      const got: number[][] = [];
+      const got: Buffer[] = [];
       for await (const msg of server.messages()) {
         using m = msg;
-        got.push([...m.bytes]);
+        got.push(Buffer.from(m.bytes));
       }
       assert.equal(got.length, SIZES.length);
-      SIZES.forEach((n, i) => assert.deepEqual(got[i], [...pattern(n, i + 1)], `message ${i} (${n} bytes)`));
+      SIZES.forEach((n, i) => assert.ok(got[i]!.equals(pattern(n, i + 1)), `message ${i} (${n} bytes)`));
       // The loop ended because the connection did; the end is clean on both sides.
       await server.closed;
       await client.closed;
@@ -152,10 +152,26 @@ describe(`connection lifecycle [${PROVIDER}, ${CM}]`, { timeout: 10 * DEADLINE }
       const settled = await Promise.allSettled(sends);
       assert.deepEqual(settled.filter((s) => s.status === "rejected"), [], "every send resolved");
       assert.equal(got.length, N, "every message reached the reader");
-      got.forEach((m, i) => assert.deepEqual(m.bytes, pattern(size(i), i + 7), `message ${i}`));
+      got.forEach((m, i) => assert.ok(Buffer.from(m.bytes).equals(pattern(size(i), i + 7)), `message ${i}`));
       for (const m of got) m.dispose();
       await client.closed;
       await server.closed;
+    } finally {
+      await p.close();
+    }
+  });
+
+  it("issue 22 point 2: a flushing close whose peer never reads gives up at timeoutMs with TIMEOUT; the sends not taken reject", async () => {
+    const p = await apiPair({ server: (b) => b.setRecvDepth(8) });
+    try {
+      const { client } = p;
+      const sends = Array.from({ length: 60 }, (_, i) => client.send(pattern(100, i)));
+      sends.forEach((s) => s.catch(() => {}));
+      await eventually(() => client.stats().creditStalls > 0, DEADLINE, "the sender to wait for credits");
+      await assert.rejects(client.close({ flush: true, timeoutMs: 300 }), isCode("TIMEOUT"));
+      const settled = await Promise.allSettled(sends);
+      assert.ok(settled.some((s) => s.status === "rejected"), "what the peer did not take is reported on its send");
+      await client.closed;
     } finally {
       await p.close();
     }
