@@ -29,14 +29,18 @@ async function talkChild(env: NodeJS.ProcessEnv): Promise<{ code: number | null;
   try {
     const child = spawn(process.execPath, [childJs, at(listener.port), "talk"], { env, stdio: ["ignore", "pipe", "pipe"] });
     let err = "";
+    let out = "";
     child.stderr.on("data", (d: Buffer) => (err += d));
-    child.stdout.resume();
-    const server = await listener.accept({ timeoutMs: DEADLINE });
-    (await server.receive()).dispose();
-    const code = await new Promise<number | null>((resolve, reject) => {
-      const t = setTimeout(() => (child.kill("SIGKILL"), reject(new Error(`the child did not exit within ${DEADLINE} ms:\n${err}`))), DEADLINE);
+    child.stdout.on("data", (d: Buffer) => (out += d));
+    const exited = new Promise<number | null>((resolve, reject) => {
+      const t = setTimeout(() => (child.kill("SIGKILL"), reject(new Error(`the child did not exit within ${DEADLINE} ms:\n${out}\n${err}`))), DEADLINE);
       child.once("exit", (c) => (clearTimeout(t), resolve(c)));
     });
+    exited.catch(() => {});
+    // The child exiting first (a failed connect) ends the wait with what it printed.
+    const server = await Promise.race([listener.accept({ timeoutMs: DEADLINE }), exited.then((c) => Promise.reject(new Error(`the child exited (${c}) before connecting:\n${out}\n${err}`)))]);
+    (await server.receive()).dispose();
+    const code = await exited;
     await server.close();
     return { code, err };
   } finally {

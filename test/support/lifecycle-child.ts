@@ -8,9 +8,11 @@
  * - "talk": sends one message, closes, prints "done" (run with NODE_DEBUG).
  */
 import { builder } from "./api.js";
+import { DEADLINE_MS } from "./seam.js";
 
 const [addr, mode] = [process.argv[2]!, process.argv[3]!];
-const b = builder("client");
+// A generous handshake bound: a freshly started process in the slow verbs guest.
+const b = builder("client").setConnectTimeout(6 * DEADLINE_MS);
 if (mode === "unref-busy") b.setPolling("busy");
 const rdma = await b.connect(addr);
 if (mode === "unref" || mode === "unref-busy") {
