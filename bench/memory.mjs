@@ -123,7 +123,7 @@ async function manyRun(n, concurrency) {
   const c1 = myMem();
   // A connection the device dropped right after setup shows up as closed (see docs/performance.md: >64 concurrent handshakes)
   await new Promise((r) => setTimeout(r, 200)); // let such failures surface before counting: a bounded settle time, not a readiness wait
-  const open = conns.filter((c) => !c.closed).length;
+  const open = conns.filter((c) => !c.isClosed).length;
   const t1 = performance.now();
   await Promise.all(conns.map((c) => c.close()));
   const closeMs = performance.now() - t1;

@@ -948,16 +948,28 @@ static napi_value mr_reg(napi_env env, napi_callback_info info) {
   return res;
 }
 
-/* regMrUser(pd, arrayBuffer, offset, length, access) -> [handle, addr, lkey, rkey] */
+/* regMrUser(pd, arrayBuffer | uint8Array, offset, length, access) -> [handle, addr, lkey, rkey]
+ * A Uint8Array stands for the memory it views: the way a SharedArrayBuffer
+ * reaches here (Node-API has no call for a SharedArrayBuffer's memory before
+ * Node 24, but a typed array over one gives its data pointer). */
 static napi_value mr_reg_user(napi_env env, napi_callback_info info) {
   ARGS(5);
   GET(pd_t, p, argv[0], K_PD);
-  bool is_ab = false;
-  napi_is_arraybuffer(env, argv[1], &is_ab);
-  if (!is_ab) return throw_arg(env, "expected an ArrayBuffer");
+  bool is_ab = false, is_ta = false;
   void *data = NULL;
   size_t blen = 0;
-  CHECK(napi_get_arraybuffer_info(env, argv[1], &data, &blen));
+  napi_is_arraybuffer(env, argv[1], &is_ab);
+  if (is_ab) {
+    CHECK(napi_get_arraybuffer_info(env, argv[1], &data, &blen));
+  } else {
+    napi_is_typedarray(env, argv[1], &is_ta);
+    if (!is_ta) return throw_arg(env, "expected an ArrayBuffer or a Uint8Array");
+    napi_typedarray_type t;
+    napi_value ab;
+    size_t off;
+    CHECK(napi_get_typedarray_info(env, argv[1], &t, &blen, &data, &ab, &off));
+    if (t != napi_uint8_array) return throw_arg(env, "expected an ArrayBuffer or a Uint8Array");
+  }
   double doff, dlen;
   uint32_t access;
   if (get_f64(env, argv[2], &doff) || get_f64(env, argv[3], &dlen) || get_u32(env, argv[4], &access)) return throw_arg(env, "bad offset, length or access");

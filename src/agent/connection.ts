@@ -48,6 +48,7 @@ import { MemoryProtocol, type CtrlMsg, type MemoryHost, type PeerLimits } from "
 import type { Share } from "./shares.js";
 import type { RemoteAccess } from "../memory/mr.js";
 import { Poller } from "./poller.js";
+import { Traffic } from "./stats.js";
 
 import type { PollingMode } from "./poller.js";
 export type { PollingMode };
@@ -166,6 +167,8 @@ export class Connection implements MemoryHost {
   private readonly bounce: Bounce;
   readonly memory: MemoryProtocol;
   private readonly live: Liveness;
+  /** Messages and bytes each way, rendezvous, credit stalls (stats.ts). */
+  readonly traffic = new Traffic();
 
   failure: RdmaError | null = null;
   closing = false;
@@ -182,7 +185,7 @@ export class Connection implements MemoryHost {
     this.cr = new Credits(peer.recvDepth, opts.recvDepth);
     this.onClosed = onClosed;
     this.ops = new OpTable((op, err) => this.dropQueued(op, this.lanes.remove(op), err));
-    this.lanes = new SendLanes(this, this.cr, opts.sendDepth);
+    this.lanes = new SendLanes(this, this.cr, opts.sendDepth, this.traffic);
     this.headers = new HeaderPool(pool, opts.sendDepth, () => this.closed);
     this.recvs = new RecvRing(
       {
@@ -223,6 +226,11 @@ export class Connection implements MemoryHost {
         read: (op, dst, addr, rkey) => this.postTransfer(op, WrOpcode.RDMA_READ, dst, addr, rkey, undefined, 0, true),
         awaitAnswer: () => (this.live.awaitingAnswer = true),
         protocolError: (reason) => this.protocolError(reason),
+        delivered: (len) => {
+          this.traffic.messagesReceived++;
+          this.traffic.bytesReceived += len;
+          this.traffic.rendezvousReceived++;
+        },
       },
       pool,
       this.bounce,
@@ -367,6 +375,8 @@ export class Connection implements MemoryHost {
     const len = lmr.length;
     if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
     if (len > 2 ** 32 - 1) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message is longer than the protocol carries (2^32 - 1)`);
+    this.traffic.messagesSent++;
+    this.traffic.bytesSent += len;
     if (len <= this.peer.eagerMax) {
       const op = newOp("msg");
       const hdr = this.headers.take();
@@ -383,6 +393,7 @@ export class Connection implements MemoryHost {
       this.lanes.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags, sgList: sgl }, op, credit: 2, hdr });
       return p;
     }
+    this.traffic.rendezvousSent++;
     return this.rndv.send(lmr, imm, this.peer.eagerMax, signal);
   }
 
@@ -642,6 +653,8 @@ export class Connection implements MemoryHost {
           return this.protocolError(`DATA message claims ${len} bytes but carries ${byteLen - HDR}`);
         }
         const lmr = new LocalMr(mem, HDR, len);
+        this.traffic.messagesReceived++;
+        this.traffic.bytesReceived += len;
         // The buffer now belongs to the user; a new one is posted unless too much is held unread.
         this.inbox.pushMessage(lmr, dataImm(m));
         return;
@@ -697,9 +710,12 @@ export class Connection implements MemoryHost {
 
   /** The peer sent CLOSE: it sends nothing after it, and anything that comes anyway is not delivered. */
   private peerClosed = false;
+  /** The connection ended by a close of either side (CLOSE sent or received before any failure), not by a failure. */
+  endedCleanly = false;
 
   private onPeerClose(): void {
     this.peerClosed = true;
+    if (!this.failure) this.endedCleanly = true;
     this.fail(new RdmaError("CONNECTION_CLOSED", "the peer closed the connection"));
   }
 
@@ -831,23 +847,36 @@ export class Connection implements MemoryHost {
   /**
    * Graceful close: tells the peer (its pending receives reject with
    * CONNECTION_CLOSED), waits for that message to leave, then tears down.
+   * `flush`: the peer receives everything sent before; otherwise resolves
+   * with what ended the connection first, or null when `timeoutMs` ran out
+   * (the rest was dropped).
    */
-  async close(timeoutMs: number): Promise<void> {
+  async close(timeoutMs: number, flush = false): Promise<true | RdmaError | null> {
     // Closing this side drops what the peer sent and nobody read.
     if (this.failure) this.inbox.dropUnread(this.closed);
     if (this.closing || this.failure) {
       if (this.failure && !this.closed) await this.waitClosed(timeoutMs);
-      return;
+      // Already ended: what did not reach the peer was reported on its own operation.
+      return true;
     }
     this.closing = true;
+    let timer: NodeJS.Timeout | null = null;
+    const expired = new Promise<false>((r) => (timer = setTimeout(() => r(false), timeoutMs)));
+    // Flushing (lifecycle.ts): every rendezvous send is taken by the peer first, and the CLOSE
+    // goes in the data lane behind every queued send and write, so its completion means the
+    // peer has received all of them.
+    let flushed = !flush || this.rndv.outstanding === 0 || (await Promise.race([this.rndv.settled(), expired]));
     const op = newOp("msg");
     const sent = this.ops.track<void>(op, undefined);
-    this.sendCtrl({ type: MsgType.CLOSE }, op);
-    let timer: NodeJS.Timeout | null = null;
-    await Promise.race([sent.catch(() => {}), new Promise<void>((r) => (timer = setTimeout(r, timeoutMs)))]);
+    this.sendCtrl({ type: MsgType.CLOSE }, op, 1, flush);
+    flushed = (await Promise.race([sent.then(() => true, () => false), expired])) && flushed;
     if (timer) clearTimeout(timer);
+    // What ended a flush that did not finish: a failure (or the peer's close) meanwhile, else the timeout (null).
+    const cause = this.failure;
+    if (!this.failure) this.endedCleanly = true;
     this.fail(new RdmaError("CONNECTION_CLOSED", "the connection was closed by this side"));
     await this.waitClosed(timeoutMs);
+    return flushed || !flush ? true : cause;
   }
 
   private waitClosed(timeoutMs: number): Promise<void> {
@@ -861,8 +890,18 @@ export class Connection implements MemoryHost {
     });
   }
 
+  /** Whether the connection keeps the process alive (Rdma.ref/unref; poller.ts). */
+  setKeepAlive(on: boolean): void {
+    this.poller.setKeepAlive(on);
+  }
+
   get isClosed(): boolean {
     return this.closed;
+  }
+
+  /** Work requests posted and not completed, plus those queued to be posted (stats). */
+  get workInFlight(): number {
+    return this.lanes.outstanding + this.lanes.queued;
   }
 
   stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number; sharesOpenedByPeer: number; sharesOpened: number; recycledReceives: number; creditMessages: number } {

@@ -233,6 +233,19 @@ export class Poller {
     this.schedule();
   }
 
+  /** Whether this connection keeps the process alive (Rdma.ref/unref). */
+  private keepAlive = true;
+
+  /**
+   * Unref'd (false), the CQ no longer holds the event loop while armed, and
+   * busy mode sleeps on completion events between completions (its
+   * per-turn immediate would hold the loop).
+   */
+  setKeepAlive(on: boolean): void {
+    this.keepAlive = on;
+    this.cq.setKeepAlive?.(on);
+  }
+
   /** Failing: flushed completions must still be seen, whatever the mode. */
   armForFlush(): void {
     if (!this.stopped) this.cq.requestNotify();
@@ -256,7 +269,7 @@ export class Poller {
     const now = performance.now();
     const giveWay = this.mode !== "event" && this.detector.contended(now);
     if (giveWay) this.detector.gaveWay++;
-    if (this.mode === "busy" && !giveWay) {
+    if (this.mode === "busy" && !giveWay && this.keepAlive) {
       // Busy: the CQ is never armed while the connection is open, so no completion ever
       // takes the event path (on verbs: channel read, ack and re-arm, three syscalls).
       return this.schedule();

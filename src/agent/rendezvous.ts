@@ -57,6 +57,8 @@ export interface RendezvousHost {
   /** A cancel waits for the peer's answer: the peer timeout applies meanwhile. */
   awaitAnswer(): void;
   protocolError(reason: string): void;
+  /** A message of `len` bytes was fetched and delivered to the inbox (stats). */
+  delivered(len: number): void;
 }
 
 interface Outgoing {
@@ -190,6 +192,20 @@ export class Rendezvous {
     this.host.awaitAnswer();
   }
 
+  /** Resolves once every message sent so far is settled (taken by the peer, cancelled or failed): a flushing close waits for it. */
+  settled(): Promise<true> {
+    return Promise.all(
+      [...this.out.values()].map(
+        (r) =>
+          new Promise<void>((done) => {
+            const { resolve, reject } = r;
+            r.resolve = () => (resolve(), done());
+            r.reject = (e) => (reject(e), done());
+          }),
+      ),
+    ).then(() => true);
+  }
+
   /** The peer's RNDV_DONE for one of our messages: delivered, or dropped after our cancel. */
   onDone(token: number, status: number): void {
     const r = this.out.get(token);
@@ -242,6 +258,7 @@ export class Rendezvous {
           return;
         }
         this.host.sendCtrl({ type: MsgType.RNDV_DONE, token: r.token, status: RndvStatus.DELIVERED });
+        this.host.delivered(r.len);
         this.inbox.ready(entry, new LocalMr(dst, 0, r.len));
       };
       this.host.read(op, new LocalMr(dst, 0, r.len), r.addr, r.rkey);

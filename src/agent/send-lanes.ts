@@ -26,6 +26,7 @@ import { LocalMemory, type RemoteLease } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { NEED, type Credits } from "./credits.js";
 import type { Op } from "./ops.js";
+import type { Traffic } from "./stats.js";
 
 /** Size of a control-message buffer (codec.ts messages fit in it). */
 export const CTRL_BUF = 64;
@@ -117,11 +118,18 @@ export class SendLanes {
     private readonly host: LanesHost,
     private readonly cr: Credits,
     private readonly sendDepth: number,
+    /** Counts credit stalls of the data lane (stats.ts). */
+    private readonly traffic: Traffic,
   ) {}
 
   /** Something waits in a lane. */
   get waiting(): boolean {
     return this.creditQ.length > 0 || this.rdQ.length > 0 || this.ctrlQ.length > 0 || this.dataQ.length > 0;
+  }
+
+  /** Work requests waiting in the lanes. */
+  get queued(): number {
+    return this.creditQ.length + this.rdQ.length + this.ctrlQ.length + this.dataQ.length;
   }
 
   /** Queues a work request in its lane; the flush runs once per turn (a microtask). */
@@ -155,7 +163,11 @@ export class SendLanes {
           continue;
         }
         const need = min(p);
-        if (!this.cr.canSend(need)) break;
+        if (!this.cr.canSend(need)) {
+          if (q === this.dataQ) this.traffic.stall();
+          break;
+        }
+        if (q === this.dataQ) this.traffic.stalled = false;
         q.shift();
         p.op.posted = true;
         p.onPost?.();

@@ -6,6 +6,7 @@ import { Access, type DeviceAttr } from "../transport/types.js";
 import type { ProviderChoice } from "../transport/providers.js";
 import type { PollingMode } from "../agent/poller.js";
 import { type Rdma, parseAddr, signalOf, whenReady } from "./rdma.js";
+import { debug } from "./observe.js";
 import { RdmaListener } from "./listener.js";
 import type { Establisher } from "./establish/establisher.js";
 import type { ConnectionManager, ResolvedSettings } from "./settings.js";
@@ -303,7 +304,13 @@ export class RdmaBuilder {
     const a = parseAddr(addr);
     const signal = signalOf(opts, "connect");
     this.s.auth?.clientKey(); // a client authenticates with one key
-    return whenReady(await this.establisher().dial({ ...this.s }, (attr) => this.resolve(attr), a, signal));
+    if (debug.enabled) debug("connect to %s:%d (%s provider, %s)", a.host, a.port, this.s.provider, this.s.cm);
+    try {
+      return await whenReady(await this.establisher().dial({ ...this.s }, (attr) => this.resolve(attr), a, signal));
+    } catch (e) {
+      if (debug.enabled) debug("connect to %s:%d failed: %s", a.host, a.port, e instanceof RdmaError ? `${e.code}: ${e.message}` : String(e));
+      throw e;
+    }
   }
 
   /** A listener that accepts any number of connections (`for await (const rdma of listener)`). */

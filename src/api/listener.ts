@@ -13,6 +13,22 @@ import type { Context } from "./context.js";
 import { LocalMemory, LocalMr } from "../memory/mr.js";
 import { SharedMr, shareIn, type ShareOptions } from "./shared.js";
 
+/** A listener's counters (RdmaListener.stats()). */
+export interface ListenerStats {
+  /** Handshakes under way (accepted sockets not yet handed out as connections). */
+  handshakes: number;
+  /** Handshakes refused so far (bad version, failed authentication, garbage). */
+  rejected: number;
+  /** Side-channel sockets open (0 over RDMA CM). */
+  sockets: number;
+  /** Connections held against setMaxConnections: being set up, or established and not yet closed. */
+  connections: number;
+  /** Connections ready so far (handed to accept() or waiting for it). */
+  accepted: number;
+  /** Connections ready and not yet taken by accept(). */
+  waiting: number;
+}
+
 /**
  * @example
  * await using listener = await new RdmaBuilder().bind("0.0.0.0:5555");
@@ -24,6 +40,7 @@ export class RdmaListener implements AsyncIterable<Rdma> {
   /** Handshakes that failed (bad version, garbage): the last 100, kept for diagnostics, never thrown at accept(). */
   readonly rejected: RdmaError[] = [];
   private rejectedCount = 0;
+  private acceptedCount = 0;
   private source: ListenerSource | null = null;
 
   private constructor() {}
@@ -35,7 +52,7 @@ export class RdmaListener implements AsyncIterable<Rdma> {
       push: (rdma) => {
         if (l.closed) return void rdma.close();
         whenReady(rdma).then(
-          (r) => (l.closed ? void r.close() : l.accepted.push(r)),
+          (r) => (l.closed ? void r.close() : (l.acceptedCount++, l.accepted.push(r))),
           (e: unknown) => l.refuse(e instanceof RdmaError ? e : new RdmaError("PROTOCOL", String(e))),
         );
       },
@@ -60,10 +77,15 @@ export class RdmaListener implements AsyncIterable<Rdma> {
     return this.address().port;
   }
 
-  /** @internal Handshakes under way, refused so far, side-channel sockets open, connections held (tests and diagnostics). */
-  stats(): { handshakes: number; rejected: number; sockets: number; connections: number } {
+  /**
+   * The listener's counters: handshakes under way, handshakes refused so far
+   * (see `rejected` for the last ones), side-channel sockets open,
+   * connections held (counted against setMaxConnections), connections handed
+   * out so far and those waiting for accept().
+   */
+  stats(): ListenerStats {
     const src = this.src();
-    return { handshakes: src.handshakes(), rejected: this.rejectedCount, sockets: src.sockets(), connections: src.connections() };
+    return { handshakes: src.handshakes(), rejected: this.rejectedCount, sockets: src.sockets(), connections: src.connections(), accepted: this.acceptedCount, waiting: this.accepted.length };
   }
 
   private src(): ListenerSource {

@@ -12,8 +12,46 @@ import type { Context } from "./context.js";
 import { parseAddr } from "./establish/protocol.js";
 import type { ResolvedSettings } from "./settings.js";
 import type { PeerInfo } from "./establish/auth.js";
+import { closeOptions, endPromise, messagesOf, type CloseOptions, type MessagesOptions } from "./lifecycle.js";
+import { debug, ended, opened, traced, tracing } from "./observe.js";
+import type { PoolStats } from "../memory/pool.js";
 
-export type { PeerInfo };
+export type { PeerInfo, CloseOptions, MessagesOptions };
+
+/**
+ * Bytes to send or write: a LocalMr (zero-copy: the device reads it where
+ * it is), or any Uint8Array, Buffer or DataView (copied into registered
+ * memory first, as UCX's eager path copies; pooled Buffers included).
+ */
+export type SendData = LocalMr | ArrayBufferView;
+
+/** A connection's counters (Rdma.stats()). Counters only grow; the rest are current values. */
+export interface RdmaStats {
+  /** Messages accepted by send/sendWithImm, and their bytes. */
+  messagesSent: number;
+  bytesSent: number;
+  /** Messages that arrived whole (receivable), and their bytes. */
+  messagesReceived: number;
+  bytesReceived: number;
+  /** Sends that went by rendezvous (larger than the peer's eager size: the peer READs them), and messages fetched that way. */
+  rendezvousSent: number;
+  rendezvousReceived: number;
+  /** Work requests posted and not completed, plus those waiting to be posted (credits, send-queue room); a large write counts one per 8 MiB. */
+  operationsInFlight: number;
+  /** Times sending had to wait for the peer's credits (the peer reads slower than this side sends). */
+  creditStalls: number;
+  /** RNR NAKs answered with a retry, where the provider counts them (tcp); null on verbs (the HCA retries unseen). The agent's credits keep it at 0. */
+  rnrRetries: number | null;
+  /** Memory this connection holds. */
+  memory: {
+    /** Registered bytes allocated from the connection's pool and not freed (shared with its newConnection() siblings): your LocalMrs, receive buffers, messages not disposed. */
+    poolBytes: number;
+    /** Bytes of your own memory registered with registerMr and not disposed. */
+    registeredBytes: number;
+    /** Messages received and not read yet. */
+    unreadMessages: number;
+  };
+}
 
 /** Options every operation takes. */
 export interface OpOptions {
@@ -41,6 +79,14 @@ export function signalOf(o: OpOptions | undefined | null, what = "operation"): A
   const s = optsOf(o, what).signal;
   if (s !== undefined && !(s instanceof AbortSignal)) throw new RdmaError("INVALID_ARGUMENT", "signal must be an AbortSignal");
   return s;
+}
+
+/** Internal counters (tests and diagnostics; not part of the documented API). */
+type InternalStats = ReturnType<Connection["stats"]> & { pool: PoolStats };
+
+/** Bytes an operation on `data` moves (tracing only). */
+function sizeOf(data: unknown): number {
+  return data instanceof LocalMr ? data.length : ArrayBuffer.isView(data) ? data.byteLength : 0;
 }
 
 /** Settles a promise that may throw synchronously into a rejected promise. */
@@ -74,6 +120,17 @@ export class Rdma {
   readonly peer: PeerInfo;
   private readonly userMrs = new Set<LocalMemory>();
   private closePromise: Promise<void> | null = null;
+  private readonly end = endPromise();
+  /**
+   * Settles when the connection has ended and its resources are released:
+   * resolves (undefined) when either side closed it, rejects with the typed
+   * RdmaError when it failed (RETRY_EXCEEDED for a dead peer, PROTOCOL, ...).
+   * Never an unhandled rejection when nobody awaits it.
+   *
+   * @example
+   * rdma.closed.then(() => console.log("closed"), (e) => console.error("failed:", e.code));
+   */
+  readonly closed: Promise<void> = this.end.promise;
 
   /** @internal */
   /**
@@ -99,7 +156,7 @@ export class Rdma {
   private lmr(v: unknown, name: string, what: string): LocalMr {
     // A closed connection says so first, whatever memory the call names (its own is freed by now).
     this.conn.checkOpen(what);
-    if (!(v instanceof LocalMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a LocalMr (from allocLocalMr, registerMr or receive)`);
+    if (!(v instanceof LocalMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a LocalMr (from allocLocalMr, registerMr or receive)${what === "read" || what === "sendLocalMr" || what === "share" ? "" : ", or a Uint8Array, Buffer or DataView (copied)"}`);
     v.mem.check(name); // disposed, lent, or freed with its connection: INVALID_STATE
     if (v.mem.alloc.mr.pd !== this.ctx.pd) {
       throw new RdmaError("INVALID_ARGUMENT", `${name} belongs to another connection (another protection domain): use memory allocated, registered or received on this connection or a newConnection() sibling, or copy it`);
@@ -131,66 +188,167 @@ export class Rdma {
   }
 
   /**
-   * Registers the caller's own memory. The MR keeps it alive; disposing the
-   * LocalMr deregisters it (the caller's buffer is not detached).
+   * Registers the caller's own memory: an ArrayBuffer, or a
+   * SharedArrayBuffer (a worker thread can fill it while it is registered:
+   * the device reads and writes the same memory, no copy). The MR keeps it
+   * alive; disposing the LocalMr deregisters it (the caller's buffer is not
+   * detached).
+   *
+   * Refused (INVALID_ARGUMENT): a typed array or Buffer (register its
+   * `.buffer`; a small Buffer is a slice of Node's shared pool, and
+   * registering the pool would expose other Buffers' bytes: send it instead,
+   * it is copied), a resizable or growable buffer (its memory may move or
+   * grow past the registration), a detached one.
+   *
+   * @example
+   * const sab = new SharedArrayBuffer(1 << 20);
+   * using lmr = rdma.registerMr(sab);
+   * new Worker(fill, { workerData: sab }); // the worker writes, then rdma.send(lmr)
    */
-  registerMr(buffer: ArrayBuffer, offset = 0, length?: number): LocalMr {
+  registerMr(buffer: ArrayBuffer | SharedArrayBuffer, offset = 0, length?: number): LocalMr {
     this.conn.checkOpen("registerMr");
-    if (!(buffer instanceof ArrayBuffer)) throw new RdmaError("INVALID_ARGUMENT", "registerMr takes an ArrayBuffer (use view.buffer for a typed array; Buffer pool slices are not allowed)");
+    const shared = typeof SharedArrayBuffer === "function" && buffer instanceof SharedArrayBuffer;
+    if (!(buffer instanceof ArrayBuffer) && !shared) {
+      throw new RdmaError("INVALID_ARGUMENT", `registerMr takes an ArrayBuffer or a SharedArrayBuffer${ArrayBuffer.isView(buffer) ? " (register view.buffer; a small Buffer is a slice of Node's shared pool: send it, it is copied)" : ""}`);
+    }
     const mr = this.ctx.pd.registerMr(buffer, Access.LOCAL_WRITE, offset, length);
-    const mem = new LocalMemory(null, { mr, addr: mr.addr, length: mr.length, buffer, bufOffset: mr.offset, mrBufOffset: mr.offset }, () => this.userMrs.delete(mem));
+    const mem = new LocalMemory(null, { mr, addr: mr.addr, length: mr.length, buffer: buffer as ArrayBuffer, bufOffset: mr.offset, mrBufOffset: mr.offset }, () => this.userMrs.delete(mem));
     this.userMrs.add(mem);
     return new LocalMr(mem, 0, mr.length);
   }
 
-  /** Sends `lmr`'s bytes; the peer gets them from receive(). Any length: large messages go by rendezvous READ. */
-  send(lmr: LocalMr, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.send(this.lmr(lmr, "lmr", "send"), undefined, signalOf(opts)));
+  /**
+   * Sends `data`; the peer gets it from receive(). Any length: large messages
+   * go by rendezvous READ. A LocalMr is sent from where it is (zero-copy);
+   * a Uint8Array, Buffer or DataView is copied into registered memory first
+   * (so it may be reused as soon as send() returns).
+   *
+   * @example
+   * await rdma.send(Buffer.from("hello"));
+   */
+  send(data: SendData, opts?: OpOptions): Promise<void> {
+    if (tracing()) return traced(this, "send", sizeOf(data), () => this.sendNow(data, undefined, opts, "send"));
+    return guard(() => this.sendNow(data, undefined, opts, "send"));
   }
 
   /** Like send, with 32 bits of immediate data; the peer gets `{ mr, imm }` from receiveWithImm(). */
-  sendWithImm(lmr: LocalMr, imm: number, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.send(this.lmr(lmr, "lmr", "sendWithImm"), checkImm(imm), signalOf(opts)));
+  sendWithImm(data: SendData, imm: number, opts?: OpOptions): Promise<void> {
+    if (tracing()) return traced(this, "sendWithImm", sizeOf(data), () => this.sendNow(data, checkImm(imm), opts, "sendWithImm"));
+    return guard(() => this.sendNow(data, checkImm(imm), opts, "sendWithImm"));
+  }
+
+  private sendNow(data: unknown, imm: number | undefined, opts: OpOptions | undefined, what: string): Promise<void> {
+    if (data instanceof LocalMr) return this.conn.send(this.lmr(data, "lmr", what), imm, signalOf(opts));
+    const signal = signalOf(opts);
+    const lmr = this.staged(data, what);
+    return this.released(lmr, () => this.conn.send(lmr, imm, signal));
+  }
+
+  /**
+   * A plain buffer copied into registered memory from the pool (one
+   * allocation and one copy; the pool recycles small sizes), freed once the
+   * operation settles.
+   */
+  private staged(v: unknown, what: string): LocalMr {
+    this.conn.checkOpen(what);
+    if (!ArrayBuffer.isView(v)) throw new RdmaError("INVALID_ARGUMENT", `${what}: the data must be a LocalMr, or a Uint8Array, Buffer or DataView (copied), got ${v === null ? "null" : typeof v}`);
+    const lmr = this.allocLocalMr(v.byteLength);
+    if (v.byteLength > 0) lmr.bytes.set(new Uint8Array(v.buffer, v.byteOffset, v.byteLength));
+    return lmr;
+  }
+
+  /** Runs an operation on staged memory and frees it once the operation settles (or throws). */
+  private released(lmr: LocalMr, op: () => Promise<void>): Promise<void> {
+    let p: Promise<void>;
+    try {
+      p = op();
+    } catch (e) {
+      lmr.dispose();
+      throw e;
+    }
+    return p.finally(() => lmr.dispose());
   }
 
   /** The next message, in a LocalMr of exactly its length (dispose it when done). */
-  async receive(opts?: OpOptions): Promise<LocalMr> {
-    const r = await this.conn.receive(signalOf(opts));
-    return r.mr;
+  receive(opts?: OpOptions): Promise<LocalMr> {
+    if (tracing()) return traced(this, "receive", 0, () => this.receiveMr(opts));
+    return this.receiveMr(opts);
+  }
+
+  private async receiveMr(opts: OpOptions | undefined): Promise<LocalMr> {
+    return (await this.conn.receive(signalOf(opts))).mr;
   }
 
   /** The next message and its immediate data (undefined when it was sent without). */
   receiveWithImm(opts?: OpOptions): Promise<{ mr: LocalMr; imm: number | undefined }> {
+    if (tracing()) return traced(this, "receiveWithImm", 0, () => this.conn.receive(signalOf(opts)));
     return guard(() => this.conn.receive(signalOf(opts)));
   }
 
-  /** One-sided RDMA WRITE of `lmr` into `rmr` (lmr.length ≤ rmr.length). */
-  write(lmr: LocalMr, rmr: RemoteMr, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.write(this.lmr(lmr, "lmr", "write"), this.rmr(rmr, "rmr"), undefined, signalOf(opts)));
+  /**
+   * The received messages in arrival order, for `for await`. The loop ends
+   * (no error) when the connection ends cleanly: the peer closed (after every
+   * message it sent before closing) or this side closed. A failure throws its
+   * RdmaError; an abort of `signal` throws ABORTED. Dispose each message when
+   * done with it (`using`). Messages sent with an immediate come without it
+   * here (use receiveWithImm for those).
+   *
+   * @example
+   * for await (const msg of rdma.messages()) {
+   *   using m = msg;
+   *   handle(m.bytes);
+   * }
+   * // here the peer has closed
+   */
+  messages(opts?: MessagesOptions): AsyncGenerator<LocalMr, void, undefined> {
+    return messagesOf(this.conn, signalOf(opts, "messages"));
   }
 
-  /** RDMA WRITE with immediate: the peer's receiveWriteImm() yields `imm` once the data is in place. */
-  writeWithImm(lmr: LocalMr, rmr: RemoteMr, imm: number, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.write(this.lmr(lmr, "lmr", "writeWithImm"), this.rmr(rmr, "rmr"), checkImm(imm), signalOf(opts)));
+  /**
+   * One-sided RDMA WRITE of `data` into `rmr` (data's length ≤ rmr.length).
+   * A LocalMr is written from where it is; a Uint8Array, Buffer or DataView
+   * is copied into registered memory first.
+   */
+  write(data: SendData, rmr: RemoteMr, opts?: OpOptions): Promise<void> {
+    if (tracing()) return traced(this, "write", sizeOf(data), () => this.writeNow(data, rmr, undefined, opts, "write"));
+    return guard(() => this.writeNow(data, rmr, undefined, opts, "write"));
+  }
+
+  /** RDMA WRITE with immediate: the peer's receiveWriteImm() yields `imm` once the data is in place. Takes the same data as write(). */
+  writeWithImm(data: SendData, rmr: RemoteMr, imm: number, opts?: OpOptions): Promise<void> {
+    if (tracing()) return traced(this, "writeWithImm", sizeOf(data), () => this.writeNow(data, rmr, checkImm(imm), opts, "writeWithImm"));
+    return guard(() => this.writeNow(data, rmr, checkImm(imm), opts, "writeWithImm"));
+  }
+
+  private writeNow(data: unknown, rmr: RemoteMr, imm: number | undefined, opts: OpOptions | undefined, what: string): Promise<void> {
+    if (data instanceof LocalMr) return this.conn.write(this.lmr(data, "lmr", what), this.rmr(rmr, "rmr"), imm, signalOf(opts));
+    const r = this.rmr(rmr, "rmr");
+    const signal = signalOf(opts);
+    const lmr = this.staged(data, what);
+    return this.released(lmr, () => this.conn.write(lmr, r, imm, signal));
   }
 
   /** The immediate of the next WRITE_WITH_IMM from the peer. */
   receiveWriteImm(opts?: OpOptions): Promise<number> {
+    if (tracing()) return traced(this, "receiveWriteImm", 0, () => this.conn.receiveWriteImm(signalOf(opts)));
     return guard(() => this.conn.receiveWriteImm(signalOf(opts)));
   }
 
   /** One-sided RDMA READ of `rmr` into `lmr` (lmr.length bytes). */
   read(lmr: LocalMr, rmr: RemoteMr, opts?: OpOptions): Promise<void> {
+    if (tracing()) return traced(this, "read", lmr instanceof LocalMr ? lmr.length : 0, () => this.conn.read(this.lmr(lmr, "lmr", "read"), this.rmr(rmr, "rmr"), signalOf(opts)));
     return guard(() => this.conn.read(this.lmr(lmr, "lmr", "read"), this.rmr(rmr, "rmr"), signalOf(opts)));
   }
 
   /** Atomic compare-and-swap on 8 aligned bytes of `rmr`; resolves to the old value. */
   compareAndSwap(rmr: RemoteMr, compare: bigint, swap: bigint, opts?: OpOptions): Promise<bigint> {
+    if (tracing()) return traced(this, "compareAndSwap", 8, () => this.conn.atomic(this.rmr(rmr, "rmr"), WrOpcode.ATOMIC_CMP_AND_SWP, checkBig(compare, "compare"), checkBig(swap, "swap"), signalOf(opts)));
     return guard(() => this.conn.atomic(this.rmr(rmr, "rmr"), WrOpcode.ATOMIC_CMP_AND_SWP, checkBig(compare, "compare"), checkBig(swap, "swap"), signalOf(opts)));
   }
 
   /** Atomic fetch-and-add on 8 aligned bytes of `rmr`; resolves to the old value. */
   fetchAndAdd(rmr: RemoteMr, add: bigint, opts?: OpOptions): Promise<bigint> {
+    if (tracing()) return traced(this, "fetchAndAdd", 8, () => this.conn.atomic(this.rmr(rmr, "rmr"), WrOpcode.ATOMIC_FETCH_AND_ADD, checkBig(add, "add"), 0n, signalOf(opts)));
     return guard(() => this.conn.atomic(this.rmr(rmr, "rmr"), WrOpcode.ATOMIC_FETCH_AND_ADD, checkBig(add, "add"), 0n, signalOf(opts)));
   }
 
@@ -292,24 +450,94 @@ export class Rdma {
     return whenReady(await this.redial(this.ctx.retain()));
   }
 
-  /** @internal Internal counters (credits, outstanding work, grants, quota use). */
-  stats(): ReturnType<Connection["stats"]> & { pool: ReturnType<Context["pool"]["stats"]> } {
-    return { ...this.conn.stats(), pool: this.ctx.pool.stats() };
+  /**
+   * This connection's counters: messages and bytes each way, rendezvous,
+   * operations in flight, credit stalls, RNR retries, memory held. Reading
+   * them costs nothing on the message path (plain counters).
+   *
+   * @example
+   * const { messagesSent, bytesSent, creditStalls } = rdma.stats();
+   */
+  stats(): RdmaStats & InternalStats {
+    const c = this.conn;
+    const t = c.traffic;
+    const internal = c.stats();
+    const pool = this.ctx.pool.stats();
+    let registeredBytes = 0;
+    for (const m of this.userMrs) registeredBytes += m.alloc.length;
+    return {
+      messagesSent: t.messagesSent,
+      bytesSent: t.bytesSent,
+      messagesReceived: t.messagesReceived,
+      bytesReceived: t.bytesReceived,
+      rendezvousSent: t.rendezvousSent,
+      rendezvousReceived: t.rendezvousReceived,
+      operationsInFlight: c.workInFlight,
+      creditStalls: t.creditStalls,
+      rnrRetries: c.qp.rnrRetries ?? null,
+      memory: { poolBytes: pool.liveBytes, registeredBytes, unreadMessages: internal.unread },
+      ...internal,
+      pool,
+    };
   }
 
-  /** Whether the connection is closed (by either side, or failed). */
-  get closed(): boolean {
+  /** Whether the connection has ended (closed by either side, or failed) and released its resources. See {@link closed} for a promise. */
+  get isClosed(): boolean {
     return this.conn.isClosed;
+  }
+
+  /**
+   * Lets the process exit while this connection is open and idle, as
+   * `socket.unref()` does (the connection still works while something else
+   * keeps the process alive). An operation in flight does not hold the
+   * process either. In busy polling mode an unref'd connection waits on
+   * completion events between completions.
+   */
+  unref(): this {
+    this.conn.setKeepAlive(false);
+    return this;
+  }
+
+  /** Undoes unref(): the open connection keeps the process alive (the default). */
+  ref(): this {
+    this.conn.setKeepAlive(true);
+    return this;
   }
 
   /**
    * Closes the connection: tells the peer, which can still receive every
    * message that arrived before (then its receive() rejects with
-   * CONNECTION_CLOSED), and releases this side's resources. Messages this
-   * side received and did not read are dropped.
+   * CONNECTION_CLOSED, and its messages() loop ends), and releases this
+   * side's resources. Messages this side received and did not read are
+   * dropped.
+   *
+   * Without `flush`, operations still waiting to be posted (for the peer's
+   * credits, under a slow reader) are dropped: they reject with
+   * CONNECTION_CLOSED. With `{ flush: true }`, close() resolves only once
+   * the peer has received everything sent before (it may still be reading
+   * it): a sender that closes loses nothing. Past `timeoutMs` (default 30 s
+   * with flush) it closes anyway and rejects with TIMEOUT; when the
+   * connection ends first (the peer closed, or it failed), it rejects with
+   * that error's code.
+   *
+   * @example
+   * for (const chunk of chunks) void rdma.send(chunk);
+   * await rdma.close({ flush: true }); // every chunk reached the peer
    */
-  close(): Promise<void> {
-    this.closePromise ??= this.conn.close(this.settings.closeTimeoutMs);
+  close(opts?: CloseOptions): Promise<void> {
+    if (this.closePromise) return this.closePromise;
+    let o: { flush: boolean; timeoutMs: number };
+    try {
+      o = closeOptions(opts, this.settings.closeTimeoutMs);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    if (debug.enabled) debug("close%s: peer %s:%d", o.flush ? " (flush)" : "", this.peer.address, this.peer.port);
+    this.closePromise = this.conn.close(o.timeoutMs, o.flush).then((r) => {
+      if (r === true) return;
+      if (r === null) throw new RdmaError("TIMEOUT", `close: the peer did not take everything sent within ${o.timeoutMs} ms (timeoutMs); the connection is closed and the rest was dropped`);
+      throw new RdmaError(r.code, `close: the connection ended before the peer took everything sent: ${r.message}`, { cause: r });
+    });
     return this.closePromise;
   }
 
@@ -329,6 +557,9 @@ export class Rdma {
     const f = this.onReleased;
     this.onReleased = null;
     f?.();
+    const failure = this.conn.endedCleanly ? undefined : (this.conn.failure ?? new RdmaError("CONNECTION_CLOSED", "the connection ended"));
+    this.end.settle(failure);
+    ended(this, failure);
   }
 }
 
@@ -343,8 +574,10 @@ export async function whenReady(rdma: Rdma): Promise<Rdma> {
   try {
     await rdma.conn.whenPeerLimits(rdma.settings.connectTimeoutMs);
     rdma.conn.checkOpen("connect"); // one that failed during setup is never handed out
+    opened(rdma);
     return rdma;
   } catch (e) {
+    if (debug.enabled) debug("connection setup failed: peer %s:%d: %s", rdma.peer.address, rdma.peer.port, e instanceof Error ? e.message : String(e));
     rdma.conn.checkOpen("connect");
     await rdma.close().catch(() => {});
     throw e;

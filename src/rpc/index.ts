@@ -238,7 +238,7 @@ class Outbox {
       } catch (e) {
         this.settled(count, n);
         // A closing connection: its receive loop ends every call with CONNECTION_CLOSED.
-        if ((e instanceof RdmaError && e.code === "CONNECTION_CLOSED") || this.rdma.closed) {
+        if ((e instanceof RdmaError && e.code === "CONNECTION_CLOSED") || this.rdma.isClosed) {
           this.failure ??= e;
           return;
         }
@@ -261,7 +261,7 @@ class Outbox {
         },
         (e: unknown) => {
           let ids: number[] = [];
-          if (!this.rdma.closed) {
+          if (!this.rdma.isClosed) {
             try {
               ids = callIds(whole.bytes.subarray(0, o));
             } catch {
@@ -455,7 +455,7 @@ export class RpcServer {
       let since = performance.now();
       try {
         while (full()) {
-          if (rdma.closed) return false;
+          if (rdma.isClosed) return false;
           let delay = running.size > 0 ? CLOSED_POLL_MS : -1;
           if (outbox.unsentFrames > 0 && replyTimeoutMs > 0) {
             const now = performance.now();
@@ -474,7 +474,7 @@ export class RpcServer {
           });
           if (timer) clearTimeout(timer);
         }
-        return !rdma.closed;
+        return !rdma.isClosed;
       } finally {
         this.waiting--;
       }
@@ -493,7 +493,7 @@ export class RpcServer {
         try {
           msg = await rdma.receive();
         } catch (e) {
-          if (e instanceof RdmaError && (e.code === "CONNECTION_CLOSED" || rdma.closed)) return;
+          if (e instanceof RdmaError && (e.code === "CONNECTION_CLOSED" || rdma.isClosed)) return;
           throw e;
         }
         let frames: Frame[];
@@ -501,7 +501,7 @@ export class RpcServer {
           frames = decodeFrames(msg.bytes);
         } catch (e) {
           // the connection closed between the arrival and now (its memory is gone)
-          if (rdma.closed && !(e instanceof RdmaError && e.code === "PROTOCOL")) return;
+          if (rdma.isClosed && !(e instanceof RdmaError && e.code === "PROTOCOL")) return;
           throw e;
         } finally {
           msg[Symbol.dispose]();
@@ -658,7 +658,7 @@ export class RpcClient {
         frames = decodeFrames(msg.bytes);
         for (const f of frames) if (f.kind !== OK && f.kind !== ERROR) throw new RdmaError("PROTOCOL", `rpc: a server sent a frame of kind ${f.kind}`);
       } catch (e) {
-        this.fail(this.rdma.closed && !(e instanceof RdmaError && e.code === "PROTOCOL") ? new RdmaError("CONNECTION_CLOSED", "the connection closed") : e);
+        this.fail(this.rdma.isClosed && !(e instanceof RdmaError && e.code === "PROTOCOL") ? new RdmaError("CONNECTION_CLOSED", "the connection closed") : e);
         await this.rdma.close().catch(() => {});
         return;
       } finally {

@@ -353,7 +353,7 @@ export interface ProtectionDomain {
    * (the MR keeps it alive; `offset`/`length` select a range).
    * Remote write or atomic access without LOCAL_WRITE is refused (EINVAL), as verbs does.
    */
-  registerMr(memory: number | ArrayBuffer, access: number, offset?: number, length?: number): MemoryRegion;
+  registerMr(memory: number | ArrayBuffer | SharedArrayBuffer, access: number, offset?: number, length?: number): MemoryRegion;
   /** Allocates a type-2 memory window (throws PROVIDER/INVALID if unsupported). */
   allocMw(type?: 1 | 2): MemoryWindow;
   /** ibv_create_qp followed by the RESET → INIT transition: the QP comes back in INIT, ready for postRecv. */
@@ -431,6 +431,12 @@ export interface CompletionQueue {
    * adaptive polling then wait for the notification instead of spinning.
    */
   readonly eventDriven?: boolean;
+  /**
+   * Whether an armed CQ with a handler keeps the process alive (default
+   * true, as a socket being read does); false lets the process exit while
+   * the CQ waits, as `socket.unref()` does.
+   */
+  setKeepAlive?(on: boolean): void;
   /** ibv_destroy_cq. */
   destroy(): void;
 }
@@ -444,6 +450,8 @@ export interface QueuePair {
   readonly recvCq: CompletionQueue;
   /** Effective caps after creation (maxInlineData may exceed what was asked). */
   readonly caps: { maxSendWr: number; maxRecvWr: number; maxSendSge: number; maxRecvSge: number; maxInlineData: number };
+  /** RNR NAKs answered with a retry, where the provider counts them (the tcp provider; an HCA retries unseen). */
+  readonly rnrRetries?: number;
   /** This QP's half of the out-of-band exchange. */
   localEndpoint(attr?: { portNum?: number; gidIndex?: number }): Endpoint;
   /** INIT → RTR → RTS against the peer's endpoint (ibv_modify_qp twice). */

@@ -172,17 +172,20 @@ export function validateMrAccess(access: unknown): number {
 
 /**
  * What registerMr registers: `length` fresh bytes (memory a number), or the
- * range [offset, offset+length) of the caller's ArrayBuffer (length defaults
- * to the rest of it). Refuses a SharedArrayBuffer or other object, a
- * resizable buffer (its memory may move), and ranges outside the buffer or
+ * range [offset, offset+length) of the caller's ArrayBuffer or
+ * SharedArrayBuffer (length defaults to the rest of it). Refuses any other
+ * object, a resizable or growable buffer (its memory may move or grow past
+ * the registration), and ranges outside the buffer or
  * above `maxMrSize`. A detached buffer has no bytes and fails the length
  * check; providers say "detached" first.
  */
 export function validateMrRange(memory: unknown, offset: unknown, length: unknown, maxMrSize: number): { offset: number; length: number } {
   const max = Math.min(maxMrSize, Number.MAX_SAFE_INTEGER);
   if (typeof memory === "number") return { offset: 0, length: checkInt("length", memory, 1, max) };
-  if (!(memory instanceof ArrayBuffer)) throw new RdmaError("INVALID_ARGUMENT", "registerMr takes a length or an ArrayBuffer");
-  if ((memory as ArrayBuffer & { resizable?: boolean }).resizable) throw new RdmaError("INVALID_ARGUMENT", "cannot register a resizable ArrayBuffer: its memory may move");
+  if (memory instanceof SharedArrayBuffer) {
+    if ((memory as SharedArrayBuffer & { growable?: boolean }).growable) throw new RdmaError("INVALID_ARGUMENT", "cannot register a growable SharedArrayBuffer: it can grow past the registration");
+  } else if (!(memory instanceof ArrayBuffer)) throw new RdmaError("INVALID_ARGUMENT", "registerMr takes a length, an ArrayBuffer or a SharedArrayBuffer");
+  else if ((memory as ArrayBuffer & { resizable?: boolean }).resizable) throw new RdmaError("INVALID_ARGUMENT", "cannot register a resizable ArrayBuffer: its memory may move");
   const off = checkInt("offset", offset, 0, memory.byteLength);
   const len = checkInt("length", length ?? memory.byteLength - off, 1, Math.min(memory.byteLength - off, max));
   return { offset: off, length: len };

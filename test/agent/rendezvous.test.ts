@@ -58,6 +58,7 @@ function scripted(pool: MrPool, timeoutMs = 0) {
       read: (op, dst, addr, rkey) => void host.reads.push({ op, dst, addr, rkey }),
       awaitAnswer: () => void host.awaiting++,
       protocolError: (reason) => void host.protocolErrors.push(reason),
+      delivered: () => {},
     },
     pool,
     bounce,

@@ -10,6 +10,7 @@ import type { RemoteLease } from "../../src/memory/mr.js";
 import { Credits, NEED } from "../../src/agent/credits.js";
 import { OpTable, newOp, type Op } from "../../src/agent/ops.js";
 import { SIGNAL_EVERY, SendLanes, type Pending } from "../../src/agent/send-lanes.js";
+import { Traffic } from "../../src/agent/stats.js";
 
 function scripted(peerDepth = 64, sendDepth = 128) {
   const host = {
@@ -20,6 +21,7 @@ function scripted(peerDepth = 64, sendDepth = 128) {
   };
   const ops = new OpTable(() => {});
   const cr = new Credits(peerDepth, 64);
+  const traffic = new Traffic();
   const lanes: SendLanes = new SendLanes(
     {
       get failure() {
@@ -35,8 +37,9 @@ function scripted(peerDepth = 64, sendDepth = 128) {
     },
     cr,
     sendDepth,
+    traffic,
   );
-  return { lanes, host, cr, ops };
+  return { lanes, host, cr, ops, traffic };
 }
 
 /** A work request tagged by its rkey field, in lane `credit` (0 one-sided, 1 ctrl, 2 data, 3 credit). */
@@ -65,12 +68,13 @@ describe("send lanes (agent/send-lanes.ts)", () => {
   });
 
   it("nothing is posted without its credits; the internal READ lane never waits behind messages that do", async () => {
-    const { lanes, host, cr } = scripted(NEED.data);
+    const { lanes, host, cr, traffic } = scripted(NEED.data);
     lanes.enqueue(work(2, "data1"));
     lanes.enqueue(work(2, "data2"));
     lanes.enqueue(work(0, "read", { internal: true }));
     await turn();
     assert.deepEqual(tags(host.posts[0]), ["read", "data1"], "one data message fits the peer's receives");
+    assert.equal(traffic.creditStalls, 1, "the wait for credits is counted once");
     assert.equal(cr.credits, NEED.data - 1);
     cr.returned(1);
     lanes.flush();

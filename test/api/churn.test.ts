@@ -170,7 +170,7 @@ describe(`API churn [${PROVIDER}, ${CM}]`, { timeout: 3_600_000 }, () => {
         break;
       }
     }
-    assert.ok(c.closed && s.closed, `${what}: both sides torn down`);
+    assert.ok(c.isClosed && s.isClosed, `${what}: both sides torn down`);
   }
 
   function snapshot(): { tables: Tables[]; fds: number; budget: number } {

@@ -185,7 +185,7 @@ describe(`API connections [${PROVIDER}, ${CM}]`, () => {
       port = listener.port;
       await using c = await builder("client").connect(at(port));
       await using s = await listener.accept();
-      assert.equal(c.closed || s.closed, false);
+      assert.equal(c.isClosed || s.isClosed, false);
     }
     await assert.rejects(builder().connect(at(port)), code("CONNECTION_REFUSED"));
   });
@@ -198,8 +198,8 @@ describe(`API connections [${PROVIDER}, ${CM}]`, () => {
       // 32 reads at once: the client's QP may have only 1 outstanding (the server's responder resources)
       await Promise.all(Array.from({ length: 32 }, (_, i) => p.client.read(lmr.slice(i * 64, i * 64 + 64), rmr.slice(i * 64, i * 64 + 64))));
       await Promise.all(Array.from({ length: 16 }, () => p.client.fetchAndAdd(rmr.slice(0, 8), 1n)));
-      assert.equal(p.client.closed, false);
-      assert.equal(p.server.closed, false);
+      assert.equal(p.client.isClosed, false);
+      assert.equal(p.server.isClosed, false);
     } finally {
       await p.close();
     }

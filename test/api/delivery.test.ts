@@ -50,7 +50,7 @@ describe(`delivery across close [${PROVIDER}, ${CM}]`, { timeout: 300_000 }, () 
       }
       await early;
       await client.close();
-      await eventually(() => server.closed, 60_000, "the server saw the close");
+      await eventually(() => server.isClosed, 60_000, "the server saw the close");
       for (let i = 8; i < SIZES.length; i++) {
         const { mr, imm } = await server.receiveWithImm();
         assert.equal(mr.disposed, false, "a message kept past the close is readable");
@@ -113,7 +113,7 @@ describe(`delivery across close [${PROVIDER}, ${CM}]`, { timeout: 300_000 }, () 
       using big = client.allocLocalMr(64 * 1024);
       // The announcement waits behind the eager sends for credits the server never returns.
       await assert.rejects(client.send(big), code("TIMEOUT"));
-      assert.equal(client.closed, false);
+      assert.equal(client.isClosed, false);
       // Reading frees credits: the eager sends go, and the connection still carries messages.
       for (let i = 0; i < 24; i++) (await server.receive()).dispose();
       await Promise.all(eager);
@@ -136,7 +136,7 @@ describe(`delivery across close [${PROVIDER}, ${CM}]`, { timeout: 300_000 }, () 
       await assert.rejects(client.send(lmr), code("CONNECTION_CLOSED"));
       await assert.rejects(client.write(lmr, rmr), code("CONNECTION_CLOSED"));
       await assert.rejects(client.read(lmr, rmr), code("CONNECTION_CLOSED"));
-      await eventually(() => server.closed, 60_000, "the server saw the close");
+      await eventually(() => server.isClosed, 60_000, "the server saw the close");
       const theirs = server.allocLocalMr.bind(server);
       assert.throws(() => theirs(8), code("CONNECTION_CLOSED"));
     } finally {

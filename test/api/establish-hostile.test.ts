@@ -198,7 +198,7 @@ describe(`establishment against hostile peers [${PROVIDER}]`, { skip: CM !== "tc
           const sent = await stream(sock!, LINE, LIMIT);
           assert.ok(sent < LIMIT, `the server read all ${sent / MiB} MiB sent after the handshake without closing the side channel`);
           const rdma = await accepted;
-          assert.ok(await p.probe(() => rdma.closed, STEP_MS), "the connection lives");
+          assert.ok(await p.probe(() => rdma.isClosed, STEP_MS), "the connection lives");
           await eventually(() => l.stats().sockets === 0, STEP_MS, "the server to close the side channel");
           const grown = (await settledHeap()) - heap0;
           assert.ok(grown < 16 * MiB, `the heap grew by ${(grown / MiB).toFixed(1)} MiB`);

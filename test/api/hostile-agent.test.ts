@@ -31,7 +31,7 @@ describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, { timeout: 120_000 * 
       // Forge a second MR_REQUEST with the token of the live grant (the first request used token 1).
       client.conn.sendCtrl({ type: MsgType.MR_REQUEST, token: 1, size: 4096, leaseMs: 1000, access: ALL_REMOTE });
       await assert.rejects(server.receive(), (e) => code("PROTOCOL")(e) && /reuses the token/.test((e as Error).message));
-      await eventually(() => server.closed, 10_000 * SLOW, "the server side to tear down");
+      await eventually(() => server.isClosed, 10_000 * SLOW, "the server side to tear down");
       assert.equal(server.stats().grants, 0);
       assert.equal(server.stats().quotaUsed, 0);
       assert.equal(peerMemoryUsage().used, before, "process-wide peer memory back");

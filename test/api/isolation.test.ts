@@ -94,8 +94,8 @@ describe(`API isolation between connections of one listener [${PROVIDER}, ${CM}]
     await b.client.read(m, rmr);
     assert.deepEqual([...m.bytes], [...SECRET], "B's granted memory was changed by another connection");
     await alive(b, seed);
-    assert.equal(b.server.closed, false);
-    assert.equal(b.client.closed, false);
+    assert.equal(b.server.isClosed, false);
+    assert.equal(b.client.isClosed, false);
   }
 
   it("a connection cannot write, read or apply atomics to memory the server granted another connection, even with its exact rkey", async () => {

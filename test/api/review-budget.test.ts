@@ -29,7 +29,7 @@ describe(`review: peer memory budget after a family ends [${PROVIDER}, ${CM}]`, 
       await client.sendLocalMr(r, { leaseMs: 60_000 });
       const lent = await server.receiveRemoteMr({ signal: AbortSignal.timeout(30_000) });
       await s2.close();
-      await eventually(() => c2.closed, 60_000, "c2 saw the close");
+      await eventually(() => c2.isClosed, 60_000, "c2 saw the close");
       lent.dispose();
     } finally {
       await Promise.allSettled([client.close(), server.close(), c2.close(), s2.close()]);

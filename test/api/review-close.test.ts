@@ -28,7 +28,7 @@ describe(`review: kept across close [${PROVIDER}, ${CM}]`, { timeout: 300_000 },
       await client.writeWithImm(lmr, rmr, 7);
       await client.writeWithImm(lmr, rmr, 8);
       await client.close();
-      await eventually(() => server.closed, 60_000, "the server saw the close");
+      await eventually(() => server.isClosed, 60_000, "the server saw the close");
       // "messages and immediates received and not yet read" (limits.md) arrived before the close:
       // like the messages, they stay receivable, then CONNECTION_CLOSED.
       assert.equal(await server.receiveWriteImm(), 7);
@@ -62,7 +62,7 @@ describe(`review: kept across close [${PROVIDER}, ${CM}]`, { timeout: 300_000 },
         const sent = await Promise.allSettled(msgs.map((m) => c.send(m)));
         delivered += sent.filter((r) => r.status === "fulfilled").length;
         await c.close();
-        await eventually(() => s.closed, 60_000, "the server saw the close");
+        await eventually(() => s.isClosed, 60_000, "the server saw the close");
       }
       const held = servers.reduce((n, s) => n + s.stats().unread, 0);
       assert.equal(held, delivered, "every delivered message is kept for the server's application");
@@ -87,7 +87,7 @@ describe(`review: kept across close [${PROVIDER}, ${CM}]`, { timeout: 300_000 },
       const view = r.bytes;
       assert.deepEqual([...view], [...pattern(32, 11)]);
       await client.close();
-      await eventually(() => server.closed, 60_000, "the server saw the close");
+      await eventually(() => server.isClosed, 60_000, "the server saw the close");
       // concepts.md: the bytes move out of the registered memory that went with the connection;
       // a view taken before reads as empty, `bytes` again reads the message.
       assert.equal(view.length, 0, "a view taken before the end is detached, never left over freed memory");

@@ -40,7 +40,7 @@ describe(`review: messages after the peer's CLOSE [${PROVIDER}]`, { timeout: 120
       peer.send({ type: MsgType.CLOSE });
       peer.send({ type: MsgType.RNDV, token: 1, a: 1000, addr: peer.rndvMr.addr, rkey: peer.rndvMr.rkey });
       peer.send({ type: MsgType.DATA, a: 4 }, new Uint8Array([9, 9, 9, 9]));
-      await eventually(() => rdma.closed, 30_000, "the server saw the close");
+      await eventually(() => rdma.isClosed, 30_000, "the server saw the close");
       const first = await rdma.receive();
       assert.deepEqual([...first.bytes], [1, 2, 3, 4], "the message sent before the CLOSE");
       first.dispose();

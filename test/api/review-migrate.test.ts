@@ -33,7 +33,7 @@ describe(`review: received memory of a closed sibling [${PROVIDER}, ${CM}]`, { t
     const r = await c2.receive();
     // The sibling ends (here: its peer closes); the family, and its pool, live on.
     await s2.close();
-    await eventually(() => c2.closed, 60_000, "c2 saw the close");
+    await eventually(() => c2.isClosed, 60_000, "c2 saw the close");
     // Memory allocated on c2 would still be usable on `client` (misuse.test.ts); received memory was
     // documented the same way ("memory allocated, registered or received on this connection or a
     // newConnection() sibling"): forwarding it must work.
@@ -56,7 +56,7 @@ describe(`review: received memory of a closed sibling [${PROVIDER}, ${CM}]`, { t
       const rmr = await server.openSharedMr("review-received", { timeoutMs: 30_000 });
       // c2's connection ends; the share (on the family's table) stays.
       await s2.close();
-      await eventually(() => c2.closed, 60_000, "c2 saw the close");
+      await eventually(() => c2.isClosed, 60_000, "c2 saw the close");
       assert.equal(shared.revoked, false, "the share lives on with the family");
       // The opener writes; the owner must see what it wrote in its LocalMr.
       using w = server.allocLocalMr(64);

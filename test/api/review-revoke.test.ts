@@ -47,7 +47,7 @@ describe(`review: orderly revoke under credit pressure [${PROVIDER}, ${CM}]`, { 
       // The write either landed before the registration went, or fails with REMOTE_ACCESS; either
       // way the opener's connection lives (docs/memory.md: "its connection lives on").
       assert.ok(outcome === "landed" || (outcome instanceof RdmaError && outcome.code === "REMOTE_ACCESS"), `write: ${String(outcome)}`);
-      assert.equal(client.closed, false, `the opener's connection lives (write outcome: ${outcome instanceof Error ? outcome.message : String(outcome)})`);
+      assert.equal(client.isClosed, false, `the opener's connection lives (write outcome: ${outcome instanceof Error ? outcome.message : String(outcome)})`);
       await Promise.all(sends);
       await client.send(m);
       (await server.receive({ signal: AbortSignal.timeout(30_000) })).dispose();

@@ -250,7 +250,7 @@ describe(`shared regions [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () 
         await eventually(() => rmr.revoked, 30_000 * SLOW, "the opener to learn of the revocation");
         await assert.rejects(c.write(l, rmr), code("REMOTE_ACCESS", /revoked/));
         await assert.rejects(c.read(l, rmr), code("REMOTE_ACCESS", /revoked/));
-        assert.equal(c.closed, false, "the opener's connection lives");
+        assert.equal(c.isClosed, false, "the opener's connection lives");
         using m = c.allocLocalMr(8);
         await c.send(m);
         (await s.receive()).dispose();

@@ -238,7 +238,7 @@ describe(`async-rdma cp / serve against hostile peers [${PROVIDER}]`, { timeout:
     const r = await cp([s.at("f"), join(base, "got")]);
     assert.equal(r.code, 0, r.err + r.out);
     assert.equal(readFileSync(join(base, "got"), "utf8"), "f\n");
-    await eventually(() => idle.some((c) => c.rdma.closed), DEADLINE, "an idle connection was ended to make room");
+    await eventually(() => idle.some((c) => c.rdma.isClosed), DEADLINE, "an idle connection was ended to make room");
     assert.match(s.err(), /ended an idle connection/);
   });
 

@@ -420,7 +420,7 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
     // close() resolves once the connection tore down (or its close timeout forced it to)
     await deadline(s.rdma.close(), CASE_MS, "the server side to close");
     s.peer.close();
-    assert.ok(s.rdma.closed, "the server side tore down");
+    assert.ok(s.rdma.isClosed, "the server side tore down");
     for (const e of s.errors) assert.ok(e instanceof RdmaError, `a wait of the server's user rejected with a non-RdmaError: ${String(e)}`);
     assert.equal(peerMemoryUsage().used, 0, "the process-wide peer memory budget is back to 0 once the connection closed");
   }

@@ -282,7 +282,7 @@ describe(`rpc frames fuzz [${PROVIDER}, ${CM}]`, { timeout: 900_000 * SLOW }, ()
         })();
         try {
           for (const m of messages) {
-            if (p.client.closed) break;
+            if (p.client.isClosed) break;
             const lmr = p.client.allocLocalMr(m.bytes.length);
             lmr.bytes.set(m.bytes);
             // A send may fail once the server closed the connection for an earlier message.
@@ -292,13 +292,13 @@ describe(`rpc frames fuzz [${PROVIDER}, ${CM}]`, { timeout: 900_000 * SLOW }, ()
           }
           if (firstBad >= 0) {
             assert.equal(await deadline(outcome, STEP_MS, `${what}: serve() to end`), "PROTOCOL", `${what}: serve() rejects PROTOCOL`);
-            await eventually(() => p.client.closed, STEP_MS, `${what}: the connection to close`);
+            await eventually(() => p.client.isClosed, STEP_MS, `${what}: the connection to close`);
           } else {
             const want: string[] = [];
             for (const v of verdicts) for (const f of (v as { frames: ModelFrame[] }).frames) if (f.kind === KIND.CALL) want.push(expectedReply(f));
             await eventually(() => replies.length >= want.length, STEP_MS, `${what}: ${want.length} replies (got ${replies.length})`);
             assert.deepEqual([...replies].sort(), want.sort(), `${what}: the replies`);
-            assert.equal(p.client.closed, false, `${what}: the connection lives`);
+            assert.equal(p.client.isClosed, false, `${what}: the connection lives`);
             await p.client.close();
             assert.equal(await deadline(outcome, STEP_MS, `${what}: serve() to end`), "resolved", `${what}: serve() resolves when the client leaves`);
           }

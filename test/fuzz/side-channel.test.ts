@@ -387,7 +387,7 @@ describe(`side channel fuzz [${PROVIDER}]`, { skip: CM !== "tcp" && "the side ch
             else if (end === "destroy") s0!.destroy();
             const rdma = await accepted;
             try {
-              assert.ok(await p.probe(() => rdma.closed, STEP_MS), "the connection lives");
+              assert.ok(await p.probe(() => rdma.isClosed, STEP_MS), "the connection lives");
               await eventually(() => listener.stats().sockets === 0, STEP_MS, "the server to close the side channel");
             } finally {
               await rdma.close();

@@ -196,7 +196,7 @@ describe(`rpc bounds [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
     for (let i = 0; i < 40; i++) sends.push(sendRaw(p.client, callFrames("big", 1 + i * 50, 50)).catch((e: unknown) => e));
     try {
       await assert.rejects(served, (e: unknown) => e instanceof RdmaError && e.code === "TIMEOUT" && /replyTimeoutMs/.test(e.message));
-      await eventually(() => p.server.closed, WAIT_MS, "the server to close the connection");
+      await eventually(() => p.server.isClosed, WAIT_MS, "the server to close the connection");
       await eventually(() => server.stats().connections === 0, WAIT_MS, "the server to free the connection's replies");
       assert.equal(server.stats().queuedBytes, 0);
     } finally {
@@ -263,7 +263,7 @@ describe(`rpc bounds [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
     try {
       await assert.rejects(client.call("big"), (e: unknown) => e instanceof RpcError && e.code === "OUT_OF_RANGE" && /maxMessageSize/.test(e.message));
       assert.deepEqual([...(await client.call("echo", new Uint8Array([1, 2, 3, 4, 5])))], [1, 2, 3, 4, 5]);
-      assert.equal(p.client.closed, false);
+      assert.equal(p.client.isClosed, false);
     } finally {
       await p.close();
     }

@@ -190,7 +190,7 @@ describe(`rpc [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
     junk.bytes.set([0x52, 9, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]);
     await p.client.send(junk);
     await assert.rejects(served, rdmaCode("PROTOCOL"));
-    await eventually(() => p.server.closed, 30_000 * SLOW, "the server to close the connection");
+    await eventually(() => p.server.isClosed, 30_000 * SLOW, "the server to close the connection");
     await p.close();
   });
 });

@@ -162,7 +162,7 @@ function fatal(e: unknown): boolean {
  * memory); the cause is the lost connection.
  */
 function lost(rdma: Rdma, e: unknown): unknown {
-  if (e instanceof RdmaError || !rdma.closed) return e;
+  if (e instanceof RdmaError || !rdma.isClosed) return e;
   return new RdmaError("CONNECTION_CLOSED", "the connection to the server closed");
 }
 
@@ -483,7 +483,7 @@ async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void
     try {
       await ends.small(b);
     } catch (e) {
-      if (fatal(e) || s.rdma.closed) throw lost(s.rdma, e);
+      if (fatal(e) || s.rdma.isClosed) throw lost(s.rdma, e);
       for (const i of b) p.fail(i.to, codeOf(e), msgOf(e));
     }
   });
@@ -491,7 +491,7 @@ async function transferTree(s: Session, items: Item[], ends: Ends): Promise<void
     try {
       await ends.big(i);
     } catch (e) {
-      if (fatal(e) || s.rdma.closed) throw lost(s.rdma, e);
+      if (fatal(e) || s.rdma.isClosed) throw lost(s.rdma, e);
       p.fail(i.to, codeOf(e), msgOf(e));
     }
   }

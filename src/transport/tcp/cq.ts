@@ -42,8 +42,15 @@ export class TcpCq implements CompletionQueue {
     this.updateHold();
   }
 
+  private keep = true;
+
+  setKeepAlive(on: boolean): void {
+    this.keep = on;
+    this.updateHold();
+  }
+
   private updateHold(): void {
-    const want = this.armed && this._onNotify !== null && !this.destroyed;
+    const want = this.armed && this._onNotify !== null && !this.destroyed && this.keep;
     if (this.destroyed) {
       if (this.hold !== null) clearInterval(this.hold);
       this.hold = null;

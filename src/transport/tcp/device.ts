@@ -180,13 +180,14 @@ export class TcpPd implements ProtectionDomain {
     this.device = device;
   }
 
-  registerMr(memory: number | ArrayBuffer, access: number, offset = 0, length?: number): MemoryRegion {
+  registerMr(memory: number | ArrayBuffer | SharedArrayBuffer, access: number, offset = 0, length?: number): MemoryRegion {
     this.checkOpen();
     validateMrAccess(access);
     if (memory instanceof ArrayBuffer && isDetached(memory)) throw new RdmaError("INVALID_ARGUMENT", "cannot register a detached ArrayBuffer");
     const range = validateMrRange(memory, offset, length, this.device.attr.maxMrSize);
     const owned = typeof memory === "number";
-    const buffer = typeof memory === "number" ? new ArrayBuffer(range.length) : memory;
+    // A SharedArrayBuffer is read and written in place like an ArrayBuffer (never detached: not owned).
+    const buffer = typeof memory === "number" ? new ArrayBuffer(range.length) : (memory as ArrayBuffer);
     if (this.device.liveMrs >= this.device.attr.maxMr) {
       throw new RdmaError("RESOURCE_EXHAUSTED", `device ${this.device.name} already has ${this.device.attr.maxMr} MRs registered (maxMr; verbs refuses with ENOMEM)`, { errnoName: "ENOMEM" });
     }

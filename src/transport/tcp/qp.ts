@@ -51,6 +51,11 @@ export class TcpQueuePair implements QueuePair, QpCore {
   readonly counters: QpCounters = { requests: 0, acks: 0, piggybackedAcks: 0, piggybackedAcksReceived: 0, piggybackedAcksHeld: 0, progressAcks: 0, requestPauses: 0 };
   private readonly sqSigAll: boolean;
   private readonly req: Requester;
+
+  /** RNR NAKs this QP answered with a retry. */
+  get rnrRetries(): number {
+    return this.req.rnrRetries;
+  }
   private readonly resp: Responder;
   /** Streams that arrived before connect(): the one matching the peer's endpoint is adopted, the rest dropped. */
   private parked: { sock: net.Socket; port: ReadPort; srcQp: number; psn: number; rest: Buffer | null }[] = [];

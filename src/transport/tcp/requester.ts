@@ -445,6 +445,9 @@ export class Requester {
     this.completeInOrder();
   }
 
+  /** RNR NAKs answered by a retry (QueuePair.rnrRetries). */
+  rnrRetries = 0;
+
   private onRnrNak(e: SqEntry, timerCode: number): void {
     e.rnrTries++;
     if (this.rnrRetry !== 7 && e.rnrTries > this.rnrRetry) {
@@ -453,6 +456,7 @@ export class Requester {
       this.completeInOrder();
       return;
     }
+    this.rnrRetries++;
     // Go back N: the responder discards everything after the NAKed PSN; resend from it after the RNR timer.
     const idx = this.sq.indexOf(e, this.ackIdx);
     for (let i = idx; i < this.txIdx; i++) {

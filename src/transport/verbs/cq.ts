@@ -51,9 +51,18 @@ export class VerbsCq implements CompletionQueue {
   }
 
   set onNotify(fn: (() => void) | null) {
-    const had = this.handler !== null;
+    const had = this.handler !== null && this.keep;
     this.handler = typeof fn === "function" ? fn : null;
-    const has = this.handler !== null;
+    const has = this.handler !== null && this.keep;
+    if (had !== has && !this.destroyed && !this.device.closed) this.device.addon.keepAliveCq(this.handle, has);
+  }
+
+  private keep = true;
+
+  setKeepAlive(on: boolean): void {
+    const had = this.handler !== null && this.keep;
+    this.keep = on;
+    const has = this.handler !== null && this.keep;
     if (had !== has && !this.destroyed && !this.device.closed) this.device.addon.keepAliveCq(this.handle, has);
   }
 

@@ -4,7 +4,7 @@
  * Arguments are validated here and every failure is an RdmaError; native
  * errors carry their errno name (errors.ts).
  */
-import { validateMrAccess } from "../validate.js";
+import { validateMrAccess, validateMrRange } from "../validate.js";
 import { markAsUntransferable } from "node:worker_threads";
 import { RdmaError, checkInt } from "../../errors.js";
 import {
@@ -213,7 +213,7 @@ export class VerbsPd implements ProtectionDomain, QpPd {
     this.device.checkOpen();
   }
 
-  registerMr(memory: number | ArrayBuffer, access: number, offset = 0, length?: number): MemoryRegion {
+  registerMr(memory: number | ArrayBuffer | SharedArrayBuffer, access: number, offset = 0, length?: number): MemoryRegion {
     this.checkOpen();
     validateMrAccess(access);
     const addon = this.device.addon;
@@ -225,7 +225,14 @@ export class VerbsPd implements ProtectionDomain, QpPd {
         setDetacher(ab, addon.detachBuffer);
         return new VerbsMr(this, h, ab, 0, a, memory, lkey, rkey, access, true);
       }
-      if (!(memory instanceof ArrayBuffer)) throw new RdmaError("INVALID_ARGUMENT", "registerMr takes a length or an ArrayBuffer");
+      if (memory instanceof SharedArrayBuffer) {
+        // Shared memory stays where it is whatever thread uses it (it is never transferred or
+        // detached): the device reads and writes the same bytes a worker sees.
+        const { offset: off, length: len } = validateMrRange(memory, offset, length, maxLen);
+        const [h, a, lkey, rkey] = addon.regMrUser(this.handle, new Uint8Array(memory), off, len, access);
+        return new VerbsMr(this, h, memory as unknown as ArrayBuffer, off, a, len, lkey, rkey, access, false);
+      }
+      if (!(memory instanceof ArrayBuffer)) throw new RdmaError("INVALID_ARGUMENT", "registerMr takes a length, an ArrayBuffer or a SharedArrayBuffer");
       if (isDetached(memory)) throw new RdmaError("INVALID_ARGUMENT", "cannot register a detached ArrayBuffer");
       if ((memory as ArrayBuffer & { resizable?: boolean }).resizable) throw new RdmaError("INVALID_ARGUMENT", "cannot register a resizable ArrayBuffer: its memory may move");
       checkInt("offset", offset, 0, memory.byteLength);

@@ -101,7 +101,8 @@ export interface NativeAddon {
    * memory itself is held, so detaching that buffer frees nothing under the
    * registration): [handle, addr, lkey, rkey].
    */
-  regMrUser(pd: PdHandle, buffer: ArrayBuffer, offset: number, length: number, access: number): [MrHandle, number, number, number];
+  /** `buffer`: an ArrayBuffer, or a Uint8Array over a SharedArrayBuffer (its memory; the registration holds it). */
+  regMrUser(pd: PdHandle, buffer: ArrayBuffer | Uint8Array, offset: number, length: number, access: number): [MrHandle, number, number, number];
   /** ibv_dereg_mr; provider-allocated memory's ArrayBuffer and all its alias buffers are detached. */
   deregMr(mr: MrHandle): void;
   /**
