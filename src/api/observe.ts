@@ -18,7 +18,14 @@
 import { channel } from "node:diagnostics_channel";
 import { debuglog } from "node:util";
 import type { RdmaError } from "../errors.js";
-import type { Rdma } from "./rdma.js";
+import type { PeerInfo } from "./establish/auth.js";
+
+/** What is logged of a connection (an Rdma; structural, so this file does not import rdma.ts). */
+interface Observed {
+  readonly provider: string;
+  readonly deviceName: string;
+  readonly peer: PeerInfo;
+}
 
 /** `NODE_DEBUG=async-rdma`: connection setup, errors and teardown on stderr. */
 export const debug = debuglog("async-rdma");
@@ -34,28 +41,6 @@ export const CHANNELS = {
 
 /** The operations traced on the operation channels. */
 export type OperationName = "send" | "sendWithImm" | "receive" | "receiveWithImm" | "write" | "writeWithImm" | "read" | "receiveWriteImm" | "compareAndSwap" | "fetchAndAdd";
-
-/** Message of `async-rdma:connection:open`. */
-export interface ConnectionOpenMessage {
-  rdma: Rdma;
-}
-
-/** Message of `async-rdma:connection:close` and `async-rdma:connection:error`. */
-export interface ConnectionEndMessage {
-  rdma: Rdma;
-  /** The failure that ended the connection; undefined for a clean close (either side's close()). */
-  error: RdmaError | undefined;
-}
-
-/** Message of `async-rdma:operation:start` and `:end` (one object per operation, published on both). */
-export interface OperationMessage {
-  rdma: Rdma;
-  operation: OperationName;
-  /** Bytes the operation moves out (send, write) or asks for (read); 0 for receives, 8 for atomics. On end, a receive's length. */
-  bytes: number;
-  /** Set on end when the operation failed. */
-  error: unknown;
-}
 
 const openCh = channel(CHANNELS.open);
 const closeCh = channel(CHANNELS.close);
@@ -73,8 +58,8 @@ export function tracing(): boolean {
  * {@link tracing} first. The returned promise is the one the caller hands
  * out: its rejection stays the caller's to observe.
  */
-export function traced<T>(rdma: Rdma, operation: OperationName, bytes: number, run: () => Promise<T>): Promise<T> {
-  const msg: OperationMessage = { rdma, operation, bytes, error: undefined };
+export function traced<T>(rdma: Observed, operation: OperationName, bytes: number, run: () => Promise<T>): Promise<T> {
+  const msg: { rdma: Observed; operation: OperationName; bytes: number; error: unknown } = { rdma, operation, bytes, error: undefined };
   startCh.publish(msg);
   let p: Promise<T>;
   try {
@@ -102,17 +87,17 @@ function lengthOf(v: object): number {
 }
 
 /** A connection is handed out. */
-export function opened(rdma: Rdma): void {
+export function opened(rdma: Observed): void {
   if (debug.enabled) debug("connection open: %s provider, device %s, peer %s:%d%s", rdma.provider, rdma.deviceName, rdma.peer.address, rdma.peer.port, rdma.peer.identity === null ? "" : ` (identity ${rdma.peer.identity})`);
-  if (openCh.hasSubscribers) openCh.publish({ rdma } satisfies ConnectionOpenMessage);
+  if (openCh.hasSubscribers) openCh.publish({ rdma });
 }
 
 /** A connection's resources are released; `error` is its failure, undefined for a clean close. */
-export function ended(rdma: Rdma, error: RdmaError | undefined): void {
+export function ended(rdma: Observed, error: RdmaError | undefined): void {
   if (debug.enabled) {
     if (error === undefined) debug("connection closed: peer %s:%d", rdma.peer.address, rdma.peer.port);
     else debug("connection failed: peer %s:%d: %s: %s", rdma.peer.address, rdma.peer.port, error.code, error.message);
   }
-  if (closeCh.hasSubscribers) closeCh.publish({ rdma, error } satisfies ConnectionEndMessage);
-  if (error !== undefined && errorCh.hasSubscribers) errorCh.publish({ rdma, error } satisfies ConnectionEndMessage);
+  if (closeCh.hasSubscribers) closeCh.publish({ rdma, error });
+  if (error !== undefined && errorCh.hasSubscribers) errorCh.publish({ rdma, error });
 }

@@ -13,7 +13,7 @@ import { parseAddr } from "./establish/protocol.js";
 import type { ResolvedSettings } from "./settings.js";
 import type { PeerInfo } from "./establish/auth.js";
 import { closeOptions, endPromise, messagesOf, type CloseOptions, type MessagesOptions } from "./lifecycle.js";
-import { debug, ended, opened, traced, tracing } from "./observe.js";
+import { debug, ended, opened, traced, tracing, type OperationName } from "./observe.js";
 import type { PoolStats } from "../memory/pool.js";
 
 export type { PeerInfo, CloseOptions, MessagesOptions };
@@ -51,6 +51,28 @@ export interface RdmaStats {
     /** Messages received and not read yet. */
     unreadMessages: number;
   };
+}
+
+/** Message of `async-rdma:connection:open`. */
+export interface ConnectionOpenMessage {
+  rdma: Rdma;
+}
+
+/** Message of `async-rdma:connection:close` and `async-rdma:connection:error`. */
+export interface ConnectionEndMessage {
+  rdma: Rdma;
+  /** The failure that ended the connection; undefined for a clean close (either side's close()). */
+  error: RdmaError | undefined;
+}
+
+/** Message of `async-rdma:operation:start` and `:end` (one object per operation, published on both). */
+export interface OperationMessage {
+  rdma: Rdma;
+  operation: OperationName;
+  /** Bytes the operation moves out (send, write) or asks for (read); 0 for receives, 8 for atomics. On end, a receive's length. */
+  bytes: number;
+  /** Set on end when the operation failed. */
+  error: unknown;
 }
 
 /** Options every operation takes. */

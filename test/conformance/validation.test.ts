@@ -272,13 +272,14 @@ describe(`checks before registering and creating QPs (transport/validate.ts) [${
       for (const len of [0, -1, 1.5, NaN, 2 ** 53]) bad(`length ${len}`, () => pd.registerMr(len, Access.LOCAL_WRITE));
       const ab = new ArrayBuffer(64);
       for (const [o, l] of [[-1, 8], [65, 1], [60, 8], [0, 0], [0, 65], [1.5, 8]] as const) bad(`ArrayBuffer offset ${o} length ${l}`, () => pd.registerMr(ab, Access.LOCAL_WRITE, o, l));
-      bad("SharedArrayBuffer", () => pd.registerMr(new SharedArrayBuffer(64) as unknown as ArrayBuffer, Access.LOCAL_WRITE));
+      // A SharedArrayBuffer is registered (issue 22 point 3), a growable one is not: it could grow past the registration.
+      bad("growable SharedArrayBuffer", () => pd.registerMr(new (SharedArrayBuffer as unknown as new (n: number, o: { maxByteLength: number }) => SharedArrayBuffer)(64, { maxByteLength: 128 }), Access.LOCAL_WRITE));
       bad("resizable ArrayBuffer", () => pd.registerMr(new (ArrayBuffer as unknown as new (n: number, o: { maxByteLength: number }) => ArrayBuffer)(64, { maxByteLength: 128 }), Access.LOCAL_WRITE));
       const detached = new ArrayBuffer(64);
       structuredClone(detached, { transfer: [detached] });
       bad("detached ArrayBuffer", () => pd.registerMr(detached, Access.LOCAL_WRITE));
-      // Allowed: remote read alone, local write with remote everything, a range of the caller's buffer.
-      for (const m of [pd.registerMr(64, Access.REMOTE_READ), pd.registerMr(64, ALL_REMOTE | Access.MW_BIND), pd.registerMr(ab, Access.LOCAL_WRITE, 8, 56)]) m.deregister();
+      // Allowed: remote read alone, local write with remote everything, a range of the caller's buffer (ArrayBuffer or SharedArrayBuffer).
+      for (const m of [pd.registerMr(64, Access.REMOTE_READ), pd.registerMr(64, ALL_REMOTE | Access.MW_BIND), pd.registerMr(ab, Access.LOCAL_WRITE, 8, 56), pd.registerMr(new SharedArrayBuffer(64), Access.LOCAL_WRITE, 8, 56)]) m.deregister();
       pd.dealloc();
     } finally {
       dev.close();
