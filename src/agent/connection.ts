@@ -18,7 +18,7 @@
  * timeout), memory-protocol.ts (grants, lends, shares, quotas and leases),
  * poller.ts (completion polling).
  */
-import { RdmaError, type RdmaErrorCode } from "../errors.js";
+import { RdmaError } from "../errors.js";
 import {
   CompletionBuffer,
   QpState,
@@ -26,7 +26,6 @@ import {
   WcOpcode,
   WcStatus,
   WrOpcode,
-  wcStatusName,
   type AsyncEvent,
   type CompletionQueue,
   type QueuePair,
@@ -49,60 +48,13 @@ import type { Share } from "./shares.js";
 import type { RemoteAccess } from "../memory/mr.js";
 import { Poller } from "./poller.js";
 import { Traffic } from "./stats.js";
+import { statusError } from "./status.js";
+import type { ConnectionOptions, PeerParams } from "./options.js";
 
 import type { PollingMode } from "./poller.js";
 export type { PollingMode };
 
-export interface ConnectionOptions {
-  /** Receive buffers posted for the peer's messages. */
-  recvDepth: number;
-  /** Largest message sent eagerly (copied into a posted receive); larger ones use rendezvous READ. */
-  eagerMax: number;
-  sendDepth: number;
-  /** Bytes of this side's memory the peer may hold through requestRemoteMr at once. */
-  quotaBytes: number;
-  /** Regions the peer may hold through requestRemoteMr at once. */
-  maxRegions: number;
-  /** The owner revokes a grant or lend this long after the borrower's lease ends (leases.ts). */
-  leaseGraceMs: number;
-  /**
-   * While this side waits on the peer (work posted, or a PING sent), the
-   * peer must make progress (a completion, a message) within this bound or
-   * the connection fails with RETRY_EXCEEDED (0: no bound). Devices do not
-   * all report a dead peer (rxe does not), and a stopped process's device
-   * may still answer; the agent bounds it itself.
-   */
-  peerTimeoutMs: number;
-  /** A rendezvous send not completed by the peer within this is cancelled (0: never). */
-  rendezvousTimeoutMs: number;
-  /** Lease granted when the requester asks for none, and for lent regions. */
-  defaultLeaseMs: number;
-  /** Upper bound on any lease this side grants. */
-  maxLeaseMs: number;
-  polling: PollingMode;
-  /** adaptive mode: how long to keep polling after the last completion before arming events. */
-  spinUs: number;
-  /** The QP's max inline data (0: no inline sends). */
-  maxInline: number;
-  /** Largest two-sided message accepted from the peer (rendezvous allocates this much). */
-  maxMessageSize: number;
-  /**
-   * Idle time after which a PING asks the peer's agent for a PONG (0: never).
-   * A dead or stopped peer then fails the connection after peerTimeoutMs and
-   * every pending wait rejects, even when this side was only waiting to
-   * receive.
-   */
-  keepaliveMs: number;
-  /** Shared regions the peer may open (shares.ts), and how `allow(peer)` callbacks see the peer. */
-  shares?: { find(key: string): Share | undefined; peer(): unknown };
-}
-
-export interface PeerParams {
-  recvDepth: number;
-  eagerMax: number;
-  /** When the handshake told us; otherwise the sender does not check and the peer refuses. */
-  maxMessageSize?: number;
-}
+export type { ConnectionOptions, PeerParams } from "./options.js";
 
 /**
  * One-sided transfers are posted as work requests of at most this many bytes
@@ -110,36 +62,6 @@ export interface PeerParams {
  * transfer, so progress is visible to the peer timeout.
  */
 export const CHUNK_BYTES = 8 << 20;
-
-function codeOfStatus(s: number): RdmaErrorCode {
-  switch (s) {
-    case WcStatus.REM_ACCESS_ERR:
-      return "REMOTE_ACCESS";
-    case WcStatus.REM_INV_REQ_ERR:
-      return "REMOTE_INVALID_REQUEST";
-    case WcStatus.REM_OP_ERR:
-      return "REMOTE_OPERATION";
-    case WcStatus.RETRY_EXC_ERR:
-      return "RETRY_EXCEEDED";
-    case WcStatus.RNR_RETRY_EXC_ERR:
-      return "RNR_RETRY_EXCEEDED";
-    case WcStatus.WR_FLUSH_ERR:
-      return "FLUSHED";
-    case WcStatus.LOC_PROT_ERR:
-      return "LOCAL_PROTECTION";
-    case WcStatus.LOC_LEN_ERR:
-      return "LOCAL_LENGTH";
-    default:
-      return "DEVICE";
-  }
-}
-
-const ADVICE: Partial<Record<RdmaErrorCode, string>> = {
-  REMOTE_ACCESS: "the peer refused the access (bad rkey, out of bounds, missing access, or a revoked lease); the connection is no longer usable",
-  RETRY_EXCEEDED: "the peer did not answer (dead, unreachable or its QP was destroyed); reconnect",
-  RNR_RETRY_EXCEEDED: "the peer had no receive posted for too long",
-  FLUSHED: "the connection had already failed",
-};
 
 /** @internal */
 export class Connection implements MemoryHost {
@@ -611,8 +533,7 @@ export class Connection implements MemoryHost {
     if (status === WcStatus.WR_FLUSH_ERR && this.failure) {
       return new RdmaError(this.failure.code === "CONNECTION_CLOSED" ? "CONNECTION_CLOSED" : "FLUSHED", `${what} flushed: ${this.failure.message}`, { wcStatus: "WR_FLUSH_ERR", cause: this.failure });
     }
-    const code = codeOfStatus(status);
-    const err = new RdmaError(code, `${what} failed with ${wcStatusName(status)}${ADVICE[code] ? `: ${ADVICE[code]}` : ""}`, { wcStatus: wcStatusName(status) });
+    const err = statusError(status, what);
     this.fail(err);
     return err;
   }
