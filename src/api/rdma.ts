@@ -12,6 +12,7 @@ import type { Context } from "./context.js";
 import { parseAddr } from "./handshake.js";
 import type { ResolvedSettings } from "./builder.js";
 import type { PeerInfo } from "./auth.js";
+import { createStream, type RdmaStream, type StreamOptions } from "./stream.js";
 
 export type { PeerInfo };
 
@@ -312,6 +313,14 @@ export class Rdma {
   /** @internal Internal counters (credits, outstanding work, grants, quota use). */
   stats(): ReturnType<Connection["stats"]> & { pool: ReturnType<Context["pool"]["stats"]> } {
     return { ...this.conn.stats(), pool: this.ctx.pool.stats() };
+  }
+
+  /**
+   * A `stream.Duplex` of bytes over this connection (see docs/guide/net.md); one at a time. While it
+   * is open it owns the connection's messages: do not send or receive on the connection yourself.
+   */
+  createStream(opts?: StreamOptions): RdmaStream {
+    return createStream(this, opts);
   }
 
   /** Whether the connection is closed (by either side, or failed). */

@@ -1,0 +1,361 @@
+/**
+ * RdmaStream: a `stream.Duplex` of bytes over one RDMA connection, with the
+ * shape of a `net.Socket` (so `http.Server` and `http.request` take it).
+ *
+ * Wire: every stream message is one two-sided message (send/receive, so the
+ * connection's credits carry the back-pressure and large chunks go by the
+ * connection's rendezvous READ). Byte 0 is the kind:
+ *   0x01 DATA: the rest (1..MAX_CHUNK bytes) is stream data, in order;
+ *   0x02 FIN: exactly one byte; the peer will write no more (half-close).
+ * Anything else is a PROTOCOL error that destroys the stream (the process lives on).
+ *
+ * Back-pressure: the writer keeps at most MAX_INFLIGHT messages posted; past
+ * that, write callbacks wait, so `write()` returns false once the writable
+ * buffer is full and 'drain' follows. The reader takes a message from the
+ * connection only while the readable side wants data; an unread connection
+ * runs its peer out of credits (at most the receive depth plus half of it
+ * messages wait at the reader).
+ */
+import { Duplex } from "node:stream";
+import { isIP } from "node:net";
+import { RdmaError } from "../errors.js";
+import type { Rdma } from "./rdma.js";
+
+const DATA = 0x01;
+const FIN = 0x02;
+/** Largest payload of one DATA message (bigger writes are cut into this). */
+export const MAX_CHUNK = 256 * 1024;
+/** Messages one stream keeps posted at once. */
+export const MAX_INFLIGHT = 8;
+/** Writes smaller than this are gathered (writev) into one message. */
+const HWM = 64 * 1024;
+
+/** Options of {@link Rdma.createStream} and of `async-rdma/net` sockets. */
+export interface StreamOptions {
+  /** false (default, as `net.Socket`): the stream ends its writable side once the peer's has ended. */
+  allowHalfOpen?: boolean;
+  /** Whether destroying the stream, or its end in both directions, closes the connection (default true). */
+  closeConnection?: boolean;
+}
+
+/** Connections that carry a stream (one at a time). */
+const streams = new WeakSet<Rdma>();
+
+/**
+ * A Duplex over an RDMA connection. Created by {@link Rdma.createStream},
+ * by `async-rdma/net`'s `connect()`, or handed to a server's 'connection' listener.
+ */
+export class RdmaStream extends Duplex {
+  private rdma: Rdma | null = null;
+  private ownsConn = true;
+  private reading = false;
+  private wantRead = false;
+  private inflight = 0;
+  private waiting: (() => void) | null = null;
+  private idleWaiters: (() => void)[] = [];
+  private failed: Error | null = null;
+  private queued: ((rdma: Rdma) => void)[] = [];
+  private timeoutMs = 0;
+  private timer: NodeJS.Timeout | null = null;
+  /** The peer's address (as `net.Socket`). */
+  remoteAddress: string | undefined = undefined;
+  /** The peer's port (as `net.Socket`). */
+  remotePort: number | undefined = undefined;
+  /** "IPv4" or "IPv6". */
+  remoteFamily: string | undefined = undefined;
+  /** Bytes received (stream data, without framing). */
+  bytesRead = 0;
+  /** Bytes written by the application and sent (stream data). */
+  bytesWritten = 0;
+  /** True until the connection is established. */
+  connecting = false;
+
+  /** @internal */
+  constructor(rdma: Rdma | null, opts: StreamOptions = {}) {
+    super({ allowHalfOpen: opts.allowHalfOpen ?? false, writableHighWaterMark: HWM, readableHighWaterMark: HWM, emitClose: true, autoDestroy: true, decodeStrings: true });
+    this.ownsConn = opts.closeConnection ?? true;
+    if (rdma) this.attach(rdma);
+    else this.connecting = true;
+  }
+
+  /** @internal The connection this stream runs on, once it exists. */
+  attach(rdma: Rdma): void {
+    if (streams.has(rdma)) throw new RdmaError("INVALID_STATE", "createStream: this connection already carries a stream (one at a time)");
+    if (rdma.closed) throw new RdmaError("CONNECTION_CLOSED", "createStream: the connection is closed");
+    streams.add(rdma);
+    this.rdma = rdma;
+    this.connecting = false;
+    this.remoteAddress = rdma.peer.address;
+    this.remotePort = rdma.peer.port;
+    this.remoteFamily = isIP(rdma.peer.address) === 6 ? "IPv6" : "IPv4";
+    const p = this.queued;
+    this.queued = [];
+    for (const f of p) f(rdma);
+  }
+
+  /** The connection under the stream (null while connecting). */
+  get connection(): Rdma | null {
+    return this.rdma;
+  }
+
+  /** "opening", "open", "readOnly", "writeOnly" or "closed" (as `net.Socket`). */
+  get readyState(): string {
+    if (this.connecting) return "opening";
+    if (this.destroyed) return "closed";
+    const r = this.readable;
+    const w = this.writable;
+    return r && w ? "open" : r ? "readOnly" : w ? "writeOnly" : "closed";
+  }
+
+  /** Whether the stream is not yet connected (as `net.Socket`). */
+  get pending(): boolean {
+    return this.rdma === null;
+  }
+
+  private withConn(f: (rdma: Rdma) => void): void {
+    if (this.rdma) f(this.rdma);
+    else this.queued.push(f);
+  }
+
+  // ---- readable side
+
+  override _read(): void {
+    this.wantRead = true;
+    this.withConn((rdma) => this.pump(rdma));
+  }
+
+  private pump(rdma: Rdma): void {
+    if (this.reading || this.destroyed) return;
+    this.reading = true;
+    const next = (): void => {
+      if (this.destroyed) return;
+      rdma.receive().then(
+        (mr) => {
+          if (this.destroyed) return void mr.dispose();
+          let msg: Buffer;
+          try {
+            msg = Buffer.from(mr.bytes); // a copy: the registered buffer goes back to the pool at once
+          } finally {
+            mr.dispose();
+          }
+          const kind = msg.length > 0 ? msg[0] : -1;
+          if (kind === DATA && msg.length > 1 && msg.length <= MAX_CHUNK + 1) {
+            const data = msg.subarray(1);
+            this.bytesRead += data.length;
+            this.touch();
+            if (this.push(data)) return next();
+            this.reading = false;
+            return;
+          }
+          if (kind === FIN && msg.length === 1) {
+            this.reading = false;
+            this.push(null);
+            return;
+          }
+          this.destroy(new RdmaError("PROTOCOL", `stream: malformed message from the peer (kind ${kind}, ${msg.length} bytes)`));
+        },
+        (e: unknown) => {
+          this.reading = false;
+          if (this.destroyed) return;
+          if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") {
+            this.destroy(new RdmaError("CONNECTION_CLOSED", "stream: the peer closed the connection before ending the stream (reset)"));
+          } else this.destroy(e instanceof Error ? e : new Error(String(e)));
+        },
+      );
+    };
+    next();
+  }
+
+  // ---- writable side
+
+  private post(rdma: Rdma, kind: number, data: Uint8Array | null, start: number, len: number, cb: (e: Error | null) => void): void {
+    let mr;
+    try {
+      mr = rdma.allocLocalMr(1 + len);
+      const b = mr.bytes;
+      b[0] = kind;
+      if (data) b.set(data.subarray(start, start + len), 1);
+    } catch (e) {
+      return cb(e as Error);
+    }
+    this.inflight++;
+    const m = mr;
+    rdma.send(m).then(
+      () => {
+        m.dispose();
+        this.inflight--;
+        this.bytesWritten += len;
+        cb(null);
+      },
+      (e: unknown) => {
+        try {
+          m.dispose();
+        } catch {
+          /* freed with its connection */
+        }
+        this.inflight--;
+        cb(e instanceof Error ? e : new Error(String(e)));
+      },
+    );
+  }
+
+  /** Posts `data` as DATA messages; `cb` once the window has room for more. */
+  private sendData(data: Uint8Array, cb: (e?: Error | null) => void): void {
+    this.withConn((rdma) => {
+      if (this.failed) return cb(this.failed);
+      this.touch();
+      let off = 0;
+      const step = (): void => {
+        while (off < data.length) {
+          if (this.inflight >= MAX_INFLIGHT) {
+            this.waiting = step;
+            return;
+          }
+          const len = Math.min(MAX_CHUNK, data.length - off);
+          this.post(rdma, DATA, data, off, len, (e) => this.sent(e));
+          off += len;
+        }
+        if (this.inflight >= MAX_INFLIGHT) {
+          this.waiting = () => cb(this.failed);
+          return;
+        }
+        cb(this.failed);
+      };
+      step();
+    });
+  }
+
+  private sent(e: Error | null): void {
+    if (e && !this.failed) {
+      this.failed = e;
+      if (!this.destroyed) this.destroy(e);
+    }
+    const w = this.waiting;
+    if (w && (this.inflight < MAX_INFLIGHT || this.failed)) {
+      this.waiting = null;
+      w();
+    }
+    if (this.inflight === 0) {
+      const ws = this.idleWaiters;
+      this.idleWaiters = [];
+      for (const f of ws) f();
+    }
+  }
+
+  override _write(chunk: Buffer, _enc: BufferEncoding, cb: (e?: Error | null) => void): void {
+    if (chunk.length === 0) return cb();
+    this.sendData(chunk, cb);
+  }
+
+  override _writev(chunks: { chunk: Buffer }[], cb: (e?: Error | null) => void): void {
+    const data = chunks.length === 1 ? chunks[0]!.chunk : Buffer.concat(chunks.map((c) => c.chunk));
+    if (data.length === 0) return cb();
+    this.sendData(data, cb);
+  }
+
+  override _final(cb: (e?: Error | null) => void): void {
+    this.withConn((rdma) => {
+      const fin = (): void => {
+        if (this.failed) return cb(this.failed);
+        this.post(rdma, FIN, null, 0, 0, (e) => {
+          // The peer closes only once both directions ended: a FIN whose completion lost that race had arrived.
+          if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED" && this.readableEnded) e = null;
+          this.sent(e);
+          cb(e);
+        });
+      };
+      if (this.inflight === 0) fin();
+      else this.idleWaiters.push(fin);
+    });
+  }
+
+  override _destroy(err: Error | null, cb: (e?: Error | null) => void): void {
+    this.clearTimer();
+    const rdma = this.rdma;
+    if (!rdma) {
+      // never connected: whoever attaches later finds the stream destroyed
+      this.queued = [];
+      return cb(err);
+    }
+    streams.delete(rdma);
+    if (!this.ownsConn) return cb(err);
+    rdma.close().then(
+      () => cb(err),
+      () => cb(err),
+    );
+  }
+
+  // ---- net.Socket's knobs
+
+  /** Accepted for `net.Socket` compatibility: an RDMA message is sent as soon as it is written (there is no Nagle). */
+  setNoDelay(_noDelay?: boolean): this {
+    return this;
+  }
+
+  /** Accepted for `net.Socket` compatibility: the connection's own keepalive (RdmaBuilder.setKeepalive) always runs. */
+  setKeepAlive(_enable?: boolean, _initialDelay?: number): this {
+    return this;
+  }
+
+  /**
+   * As `net.Socket`: 'timeout' after `ms` without reads or writes (0 turns it off).
+   * The stream is not ended; listen to 'timeout' and end it yourself.
+   */
+  setTimeout(ms: number, cb?: () => void): this {
+    this.timeoutMs = ms > 0 ? ms : 0;
+    if (cb) {
+      if (this.timeoutMs > 0) this.once("timeout", cb);
+      else this.removeListener("timeout", cb);
+    }
+    this.touch();
+    return this;
+  }
+
+  /** The stream's idle timeout in ms (0: none). */
+  get timeout(): number | undefined {
+    return this.timeoutMs || undefined;
+  }
+
+  private touch(): void {
+    if (this.timeoutMs === 0) return this.clearTimer();
+    if (this.timer) return void this.timer.refresh();
+    this.timer = setTimeout(() => {
+      this.timer = null;
+      if (!this.destroyed) this.emit("timeout");
+    }, this.timeoutMs).unref();
+  }
+
+  private clearTimer(): void {
+    if (this.timer) clearTimeout(this.timer);
+    this.timer = null;
+  }
+
+  /**
+   * Accepted for `net.Socket` compatibility; the connection underneath keeps
+   * the process alive while it is open, whatever is asked here.
+   */
+  ref(): this {
+    return this;
+  }
+
+  /** See {@link RdmaStream.ref}. */
+  unref(): this {
+    return this;
+  }
+
+  /** `{ address, family, port }` of the peer's side (this side's local address is not tracked by the connection). */
+  address(): { address: string; family: string; port: number } | Record<string, never> {
+    return this.remoteAddress === undefined ? {} : { address: this.remoteAddress, family: this.remoteFamily ?? "IPv4", port: this.remotePort ?? 0 };
+  }
+
+  /** Closes the stream (and the connection under it) without ending it: the peer gets an error, as for a reset socket. */
+  resetAndDestroy(): this {
+    return this.destroy();
+  }
+}
+
+/** @internal rdma.createStream() */
+export function createStream(rdma: Rdma, opts?: StreamOptions): RdmaStream {
+  if (opts !== undefined && (opts === null || typeof opts !== "object")) throw new RdmaError("INVALID_ARGUMENT", "createStream: options must be an object");
+  return new RdmaStream(rdma, opts ?? {});
+}
