@@ -6,15 +6,18 @@
  * connection's credits carry the back-pressure and large chunks go by the
  * connection's rendezvous READ). Byte 0 is the kind:
  *   0x01 DATA: the rest (1..MAX_CHUNK bytes) is stream data, in order;
- *   0x02 FIN: exactly one byte; the peer will write no more (half-close).
+ *   0x02 FIN: exactly one byte; the peer will write no more (half-close);
+ *   0x03 WND: 5 bytes, a u32 (big-endian, 1..WINDOW): the reader consumed that
+ *        much more, the writer may send that much more.
  * Anything else is a PROTOCOL error that destroys the stream (the process lives on).
  *
- * Back-pressure: the writer keeps at most MAX_INFLIGHT messages posted; past
- * that, write callbacks wait, so `write()` returns false once the writable
- * buffer is full and 'drain' follows. The reader takes a message from the
- * connection only while the readable side wants data; an unread connection
- * runs its peer out of credits (at most the receive depth plus half of it
- * messages wait at the reader).
+ * Back-pressure, as rsocket: a byte window per direction. The reader takes
+ * every message as it arrives (so the connection's credits and rendezvous
+ * never wait on the application) and gives window back as the application
+ * consumes; the writer sends only within the window and keeps at most
+ * MAX_INFLIGHT messages posted. Past either, write callbacks wait, so
+ * `write()` returns false once the writable buffer is full and 'drain'
+ * follows. A reader that does not read holds at most WINDOW bytes.
  */
 import { Duplex } from "node:stream";
 import { isIP } from "node:net";
@@ -23,6 +26,9 @@ import type { Rdma } from "./rdma.js";
 
 const DATA = 0x01;
 const FIN = 0x02;
+const WND = 0x03;
+/** Bytes each side may send before the reader gives window back (what a reader that does not read holds). */
+export const WINDOW = 4 * 1024 * 1024;
 /** Largest payload of one DATA message (bigger writes are cut into this). */
 export const MAX_CHUNK = 256 * 1024;
 /** Messages one stream keeps posted at once. */
@@ -48,8 +54,14 @@ const streams = new WeakSet<Rdma>();
 export class RdmaStream extends Duplex {
   private rdma: Rdma | null = null;
   private ownsConn = true;
-  private reading = false;
-  private wantRead = false;
+  /** Bytes this side allowed the peer to send so far (its window). */
+  private granted = WINDOW;
+  /** Bytes the peer allowed this side to send so far. */
+  private window = WINDOW;
+  /** Bytes this side has posted as DATA. */
+  private posted = 0;
+  private peerFin = false;
+  private finSent = false;
   private inflight = 0;
   private waiting: (() => void) | null = null;
   private idleWaiters: (() => void)[] = [];
@@ -88,6 +100,7 @@ export class RdmaStream extends Duplex {
     this.remoteAddress = rdma.peer.address;
     this.remotePort = rdma.peer.port;
     this.remoteFamily = isIP(rdma.peer.address) === 6 ? "IPv6" : "IPv4";
+    this.pump(rdma);
     const p = this.queued;
     this.queued = [];
     for (const f of p) f(rdma);
@@ -120,13 +133,26 @@ export class RdmaStream extends Duplex {
   // ---- readable side
 
   override _read(): void {
-    this.wantRead = true;
-    this.withConn((rdma) => this.pump(rdma));
+    this.withConn(() => this.grant());
   }
 
+  /** Bytes the application has taken from the readable side. */
+  private consumed(): number {
+    return this.bytesRead - this.readableLength;
+  }
+
+  /** Gives the peer back the window the application has consumed (in steps of a quarter window). */
+  private grant(): void {
+    const rdma = this.rdma;
+    if (!rdma || this.destroyed || this.peerFin) return;
+    const give = this.consumed() + WINDOW - this.granted;
+    if (give < WINDOW / 4) return;
+    this.granted += give;
+    this.post(rdma, WND, null, 0, 0, (e) => this.sent(e), give);
+  }
+
+  /** Takes every message the peer sends, as it arrives (the byte window bounds them). */
   private pump(rdma: Rdma): void {
-    if (this.reading || this.destroyed) return;
-    this.reading = true;
     const next = (): void => {
       if (this.destroyed) return;
       rdma.receive().then(
@@ -139,25 +165,36 @@ export class RdmaStream extends Duplex {
             mr.dispose();
           }
           const kind = msg.length > 0 ? msg[0] : -1;
-          if (kind === DATA && msg.length > 1 && msg.length <= MAX_CHUNK + 1) {
+          if (kind === DATA && msg.length > 1 && msg.length <= MAX_CHUNK + 1 && !this.peerFin) {
             const data = msg.subarray(1);
+            if (this.bytesRead + data.length > this.granted) {
+              return void this.destroy(new RdmaError("PROTOCOL", `stream: the peer sent past the window it was given (${this.granted - this.bytesRead} bytes left, got ${data.length})`));
+            }
             this.bytesRead += data.length;
             this.touch();
-            if (this.push(data)) return next();
-            this.reading = false;
-            return;
+            if (this.push(data)) this.grant();
+            return next();
           }
-          if (kind === FIN && msg.length === 1) {
-            this.reading = false;
+          if (kind === WND && msg.length === 5) {
+            const n = msg.readUInt32BE(1);
+            if (n > 0 && n <= WINDOW) {
+              this.window += n;
+              this.sent(null);
+              return next();
+            }
+          }
+          if (kind === FIN && msg.length === 1 && !this.peerFin) {
+            this.peerFin = true;
             this.push(null);
-            return;
+            return next(); // window updates may still come for what this side writes
           }
           this.destroy(new RdmaError("PROTOCOL", `stream: malformed message from the peer (kind ${kind}, ${msg.length} bytes)`));
         },
         (e: unknown) => {
-          this.reading = false;
           if (this.destroyed) return;
           if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") {
+            // The peer closes once both directions ended: after its FIN and ours, that is the normal end.
+            if (this.peerFin && (this.writableFinished || this.finSent)) return void this.destroy();
             this.destroy(new RdmaError("CONNECTION_CLOSED", "stream: the peer closed the connection before ending the stream (reset)"));
           } else this.destroy(e instanceof Error ? e : new Error(String(e)));
         },
@@ -168,13 +205,14 @@ export class RdmaStream extends Duplex {
 
   // ---- writable side
 
-  private post(rdma: Rdma, kind: number, data: Uint8Array | null, start: number, len: number, cb: (e: Error | null) => void): void {
+  private post(rdma: Rdma, kind: number, data: Uint8Array | null, start: number, len: number, cb: (e: Error | null) => void, wnd = 0): void {
     let mr;
     try {
-      mr = rdma.allocLocalMr(1 + len);
+      mr = rdma.allocLocalMr(kind === WND ? 5 : 1 + len);
       const b = mr.bytes;
       b[0] = kind;
       if (data) b.set(data.subarray(start, start + len), 1);
+      if (kind === WND) new DataView(b.buffer, b.byteOffset, 5).setUint32(1, wnd);
     } catch (e) {
       return cb(e as Error);
     }
@@ -207,11 +245,13 @@ export class RdmaStream extends Duplex {
       let off = 0;
       const step = (): void => {
         while (off < data.length) {
-          if (this.inflight >= MAX_INFLIGHT) {
+          const room = this.window - this.posted;
+          if (this.inflight >= MAX_INFLIGHT || room <= 0) {
             this.waiting = step;
             return;
           }
-          const len = Math.min(MAX_CHUNK, data.length - off);
+          const len = Math.min(MAX_CHUNK, data.length - off, room);
+          this.posted += len;
           this.post(rdma, DATA, data, off, len, (e) => this.sent(e));
           off += len;
         }
@@ -231,7 +271,7 @@ export class RdmaStream extends Duplex {
       if (!this.destroyed) this.destroy(e);
     }
     const w = this.waiting;
-    if (w && (this.inflight < MAX_INFLIGHT || this.failed)) {
+    if (w && ((this.inflight < MAX_INFLIGHT && this.window > this.posted) || this.failed)) {
       this.waiting = null;
       w();
     }
@@ -257,6 +297,7 @@ export class RdmaStream extends Duplex {
     this.withConn((rdma) => {
       const fin = (): void => {
         if (this.failed) return cb(this.failed);
+        this.finSent = true;
         this.post(rdma, FIN, null, 0, 0, (e) => {
           // The peer closes only once both directions ended: a FIN whose completion lost that race had arrived.
           if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED" && this.readableEnded) e = null;
