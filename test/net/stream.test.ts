@@ -277,11 +277,33 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
     }
   });
 
+  it("issue 22 point 1: hostile peer: DATA past the window it was given gives a PROTOCOL error, and the stream holds no more than the window", async () => {
+    const p = await apiPair();
+    try {
+      const s = p.server.createStream();
+      const errs: unknown[] = [];
+      s.on("error", (e) => errs.push(e));
+      // never read: a well-behaved writer would stop at WINDOW
+      const chunk = 256 * 1024;
+      const m = p.client.allocLocalMr(1 + chunk);
+      m.bytes[0] = 0x01;
+      for (let sent = 0; sent <= WINDOW && errs.length === 0; sent += chunk) await p.client.send(m).catch(() => {});
+      await eventually(() => s.destroyed && errs.length === 1, DEADLINE, "the stream to fail");
+      assert.ok(errs[0] instanceof RdmaError && errs[0].code === "PROTOCOL", String(errs[0]));
+      assert.ok(s.bytesRead <= WINDOW);
+    } finally {
+      await p.close();
+    }
+  });
+
   for (const [what, bytes] of [
     ["an unknown kind", [0x7f, 1, 2]],
     ["an empty message", []],
     ["DATA without bytes", [0x01]],
     ["FIN with bytes", [0x02, 0]],
+    ["a window update of 0", [0x03, 0, 0, 0, 0]],
+    ["a window update past the window", [0x03, 0xff, 0xff, 0xff, 0xff]],
+    ["a short window update", [0x03, 0, 1]],
   ] as const) {
     it(`issue 22 point 1: hostile peer: ${what} gives the stream a PROTOCOL error, not a crash`, async () => {
       const p = await apiPair();
