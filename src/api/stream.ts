@@ -32,9 +32,11 @@ export const WINDOW = 4 * 1024 * 1024;
 /** Largest payload of one DATA message (bigger writes are cut into this). */
 export const MAX_CHUNK = 256 * 1024;
 /** Messages one stream keeps posted at once. */
-export const MAX_INFLIGHT = 8;
-/** Writes smaller than this are gathered (writev) into one message. */
-const HWM = 64 * 1024;
+export const MAX_INFLIGHT = 4;
+/** The writable side's buffer: writes made while MAX_INFLIGHT messages are posted are gathered (writev) into one message of up to about this. */
+const WRITE_HWM = 256 * 1024;
+/** The readable side's high-water mark (as a net.Socket's). */
+const READ_HWM = 64 * 1024;
 
 /** Options of {@link Rdma.createStream} and of `async-rdma/net` sockets. */
 export interface StreamOptions {
@@ -84,7 +86,7 @@ export class RdmaStream extends Duplex {
 
   /** @internal */
   constructor(rdma: Rdma | null, opts: StreamOptions = {}) {
-    super({ allowHalfOpen: opts.allowHalfOpen ?? false, writableHighWaterMark: HWM, readableHighWaterMark: HWM, emitClose: true, autoDestroy: true, decodeStrings: true });
+    super({ allowHalfOpen: opts.allowHalfOpen ?? false, writableHighWaterMark: WRITE_HWM, readableHighWaterMark: READ_HWM, emitClose: true, autoDestroy: true, decodeStrings: true });
     this.ownsConn = opts.closeConnection ?? true;
     if (rdma) this.attach(rdma);
     else this.connecting = true;
