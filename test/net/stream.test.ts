@@ -176,6 +176,10 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
       })();
       // The reader never read: the writer stalls once the reader holds its whole window.
       await eventually(() => srv !== null && srv.bytesRead >= WINDOW && c.writableNeedDrain, DEADLINE, "the writer to fill the reader's window");
+      // Give a writer that would not stop every chance to go on: round trips on the same
+      // connection (FIFO), each one after everything the writer had posted before it.
+      for (let i = 0; i < 20; i++) (await c.connection!.requestRemoteMr(8)).dispose();
+      assert.ok(srv!.bytesRead <= WINDOW, `the reader was sent ${srv!.bytesRead} bytes with nothing read (window ${WINDOW})`);
       const bound = WINDOW + 256 * 1024 + 2 * 64 * 1024; // the window, the writable buffer, one chunk
       assert.ok(srv!.readableLength <= WINDOW, `the reader holds ${srv!.readableLength} bytes`);
       assert.ok(writing, "the writer must not have finished while nothing was read");
