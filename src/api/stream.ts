@@ -103,6 +103,7 @@ export class RdmaStream extends Duplex {
     this.remotePort = rdma.peer.port;
     this.remoteFamily = isIP(rdma.peer.address) === 6 ? "IPv6" : "IPv4";
     this.pump(rdma);
+    if (!this.refed) this.applyRef();
     const p = this.queued;
     this.queued = [];
     for (const f of p) f(rdma);
@@ -374,16 +375,30 @@ export class RdmaStream extends Duplex {
   }
 
   /**
-   * Accepted for `net.Socket` compatibility; the connection underneath keeps
-   * the process alive while it is open, whatever is asked here.
+   * As `net.Socket`: whether this stream keeps the process alive. Forwarded
+   * to the connection's own `ref()`/`unref()` when the connection has them;
+   * where it does not, the open connection keeps the process alive whatever
+   * is asked here.
    */
   ref(): this {
+    this.refed = true;
+    this.applyRef();
     return this;
   }
 
   /** See {@link RdmaStream.ref}. */
   unref(): this {
+    this.refed = false;
+    this.applyRef();
     return this;
+  }
+
+  private refed = true;
+  private applyRef(): void {
+    const c = this.rdma as unknown as { ref?: () => unknown; unref?: () => unknown } | null;
+    if (!c) return;
+    if (this.refed) c.ref?.();
+    else c.unref?.();
   }
 
   /** `{ address, family, port }` of the peer's side (this side's local address is not tracked by the connection). */
