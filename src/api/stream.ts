@@ -158,7 +158,7 @@ export class RdmaStream extends Duplex {
   private pump(rdma: Rdma): void {
     const next = (): void => {
       if (this.destroyed) return;
-      rdma.receive().then(
+      rdma.receive({ signal: this.stop.signal }).then(
         (mr) => {
           if (this.destroyed) return void mr.dispose();
           let msg: Buffer;
@@ -322,6 +322,7 @@ export class RdmaStream extends Duplex {
       return cb(err);
     }
     streams.delete(rdma);
+    this.stop.abort();
     if (!this.ownsConn) return cb(err);
     rdma.close().then(
       () => cb(err),
@@ -394,6 +395,8 @@ export class RdmaStream extends Duplex {
   }
 
   private refed = true;
+  /** Aborts the stream's waiting receive when it ends, so a connection it leaves open loses no message. */
+  private readonly stop = new AbortController();
   private applyRef(): void {
     const c = this.rdma as unknown as { ref?: () => unknown; unref?: () => unknown } | null;
     if (!c) return;

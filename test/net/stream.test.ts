@@ -300,6 +300,31 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
     }
   });
 
+  it("issue 22 point 1: createStream({ closeConnection: false }): once the stream ends, the connection stays open and its next message reaches receive()", async () => {
+    const p = await apiPair();
+    try {
+      const a = p.client.createStream({ closeConnection: false });
+      const b = p.server.createStream({ closeConnection: false });
+      const [, got] = await Promise.all([pipeline(source(100_000), a), sink(b), sink(a)]);
+      void got;
+      await eventually(() => a.closed && b.closed, DEADLINE, "both streams closed");
+      assert.equal(p.client.closed, false);
+      assert.equal(p.server.closed, false);
+      const m = p.client.allocLocalMr(3);
+      m.bytes.set([1, 2, 3]);
+      await p.client.send(m);
+      const r = await p.server.receive();
+      assert.deepEqual([...r.bytes], [1, 2, 3]);
+      // and a new stream may run on it
+      const a2 = p.client.createStream();
+      const b2 = p.server.createStream();
+      const [, r2] = await Promise.all([pipeline(source(1000), a2), sink(b2), sink(a2)]);
+      assert.equal(r2.bytes, 1000);
+    } finally {
+      await p.close();
+    }
+  });
+
   for (const [what, bytes] of [
     ["an unknown kind", [0x7f, 1, 2]],
     ["an empty message", []],
