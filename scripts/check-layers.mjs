@@ -1,7 +1,8 @@
 #!/usr/bin/env node
 // Lint of the imports under src/ (part of `npm run lint`). Exits 1 listing every violation.
 //
-// 1. Layers: imports point down only: cli → api → agent → memory → transport → errors.ts.
+// 1. Layers: imports point down only: cli → api → agent → memory → transport → errors.ts
+//    (rpc/ and net/, the "./rpc" and "./net" exports, sit above api and the package entry).
 //    A file's folder under src/ says its layer (src/index.ts is the package entry, above api).
 // 2. Inside transport, the seam and the providers are ranked apart:
 //    - the seam is transport/*.ts (types.ts, validate.ts, buffers.ts, providers.ts, index.ts);
@@ -27,7 +28,7 @@ import { dirname, join, relative, resolve, sep } from "node:path";
 
 const root = resolve(new URL("..", import.meta.url).pathname);
 const src = join(root, "src");
-const rank = { errors: 0, transport: 1, memory: 2, agent: 3, api: 4, index: 5, rpc: 6, cli: 7 };
+const rank = { errors: 0, transport: 1, memory: 2, agent: 3, api: 4, index: 5, rpc: 6, net: 6, cli: 7 };
 
 /**
  * The seam's imports of providers that are allowed, and how. Nothing else in transport/*.ts

@@ -18,3 +18,4 @@ export { RdmaError, isRdmaError, type RdmaErrorCode } from "./errors.js";
 export { Access } from "./transport/types.js";
 export type { PollingMode } from "./agent/poller.js";
 export type { ProviderChoice } from "./transport/providers.js";
+export { RdmaStream, type StreamOptions } from "./api/stream.js";

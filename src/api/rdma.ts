@@ -15,6 +15,7 @@ import type { PeerInfo } from "./establish/auth.js";
 import { closeOptions, endPromise, messagesOf, type CloseOptions, type MessagesOptions } from "./lifecycle.js";
 import { debug, ended, opened, traced, tracing, type OperationName } from "./observe.js";
 import type { PoolStats } from "../memory/pool.js";
+import { createStream, type RdmaStream, type StreamOptions } from "./stream.js";
 
 export type { PeerInfo, CloseOptions, MessagesOptions };
 
@@ -506,6 +507,14 @@ export class Rdma {
   /** Whether the connection has ended (closed by either side, or failed) and released its resources. See {@link closed} for a promise. */
   get isClosed(): boolean {
     return this.conn.isClosed;
+  }
+
+  /**
+   * A `stream.Duplex` of bytes over this connection (see docs/guide/net.md); one at a time. While it
+   * is open it owns the connection's messages: do not send or receive on the connection yourself.
+   */
+  createStream(opts?: StreamOptions): RdmaStream<Rdma> {
+    return createStream<Rdma>(this, opts);
   }
 
   /**

@@ -1,0 +1,354 @@
+/**
+ * issue 22 point 1: async-rdma/net and rdma.createStream(): a stream.Duplex
+ * over one RDMA connection, held to Node's own expectations of a socket.
+ */
+import { describe, it } from "node:test";
+import assert from "node:assert/strict";
+import { createHash } from "node:crypto";
+import { Readable, Writable } from "node:stream";
+import { pipeline } from "node:stream/promises";
+import { once } from "node:events";
+import { spawn, type ChildProcess } from "node:child_process";
+import { fileURLToPath } from "node:url";
+import { dirname, join } from "node:path";
+import { RdmaError } from "../../src/index.js";
+import { connect, createServer, type RdmaStream, type Server } from "../../src/net/index.js";
+import { WINDOW } from "../../src/api/stream.js";
+import { CM, HOST, PROVIDER, apiPair, builder, eventually } from "../support/api.js";
+import { SLOW } from "../support/seam.js";
+
+const DEADLINE = 20_000 * SLOW;
+/** The large pipeline: 200 MiB on tcp; 32 MiB on verbs in the (slow, emulated) guest. */
+const LARGE = PROVIDER === "verbs" ? 32 << 20 : 200 << 20;
+
+/** `n` deterministic bytes in 64 KiB chunks (byte i = (i * 31 + seed) mod 251). */
+function source(n: number, seed = 1): Readable {
+  let off = 0;
+  return new Readable({
+    read() {
+      if (off >= n) return void this.push(null);
+      const len = Math.min(64 * 1024, n - off);
+      const b = Buffer.allocUnsafe(len);
+      for (let i = 0; i < len; i++) b[i] = ((off + i) * 31 + seed) % 251;
+      off += len;
+      this.push(b);
+    },
+  });
+}
+
+function expectedHash(n: number, seed = 1): Promise<string> {
+  return sink(source(n, seed)).then((r) => r.hash);
+}
+
+/** Reads a stream to its end: byte count and sha256. */
+async function sink(s: Readable): Promise<{ bytes: number; hash: string }> {
+  const h = createHash("sha256");
+  let bytes = 0;
+  await pipeline(
+    s,
+    new Writable({
+      write(c: Buffer, _e, cb) {
+        bytes += c.length;
+        h.update(c);
+        cb();
+      },
+    }),
+  );
+  return { bytes, hash: h.digest("hex") };
+}
+
+async function listen(onConn: (s: RdmaStream) => void, opts: { allowHalfOpen?: boolean } = {}): Promise<{ server: Server; port: number }> {
+  const server = createServer({ builder: builder("server"), ...opts }, onConn);
+  server.listen(0, HOST);
+  await once(server, "listening");
+  return { server, port: server.address()!.port };
+}
+
+function dial(port: number, opts: { allowHalfOpen?: boolean } = {}): RdmaStream {
+  return connect(port, HOST, { builder: builder("client"), ...opts });
+}
+
+function closeServer(server: Server): Promise<void> {
+  return new Promise((r) => server.close(() => r()));
+}
+
+describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
+  for (const n of [0, 1, LARGE]) {
+    it(`issue 22 point 1: pipeline() file-like source → socket → sink, ${n} bytes, checksum equal (client → server, then server → client)`, { timeout: 600_000 }, async () => {
+      const want = await expectedHash(n);
+      const got: Promise<{ bytes: number; hash: string }>[] = [];
+      const { server, port } = await listen((s) => {
+        got.push(sink(s));
+        void pipeline(source(n), s).catch(() => {});
+      });
+      try {
+        const c = dial(port);
+        const [up, down] = await Promise.all([pipeline(source(n), c), sink(c)]);
+        void up;
+        await eventually(() => got.length === 1, DEADLINE, "the server's connection");
+        const atServer = await got[0]!;
+        assert.deepEqual(atServer, { bytes: n, hash: want });
+        assert.deepEqual(down, { bytes: n, hash: want });
+        await eventually(() => c.closed && c.connection?.isClosed === true, DEADLINE, "the client to close after both ends");
+      } finally {
+        await closeServer(server);
+      }
+    });
+  }
+
+  for (const first of ["client", "server"] as const) {
+    it(`issue 22 point 1: half-close, ${first} ends first: the other side reads everything, sees 'end', and still writes until it ends`, async () => {
+      const N = 3 << 20;
+      const want = await expectedHash(N);
+      const atServer: Promise<{ bytes: number; hash: string }>[] = [];
+      const { server, port } = await listen((s) => {
+        if (first === "client") {
+          atServer.push(
+            sink(s).then(async (r) => {
+              await pipeline(source(N), s); // writes after its peer ended
+              return r;
+            }),
+          );
+        } else {
+          atServer.push(pipeline(source(N), s).then(() => sink(s)));
+        }
+      }, { allowHalfOpen: true });
+      try {
+        const c = dial(port, { allowHalfOpen: true });
+        let atClient: { bytes: number; hash: string };
+        if (first === "client") {
+          await pipeline(source(N), c); // ends the client's side
+          atClient = await sink(c);
+        } else {
+          atClient = await sink(c); // the server ended first
+          assert.equal(c.writable, true, "the client may still write after the server's end");
+          await pipeline(source(N), c);
+        }
+        await eventually(() => atServer.length === 1, DEADLINE, "the server's connection");
+        assert.deepEqual(await atServer[0]!, { bytes: N, hash: want });
+        assert.deepEqual(atClient, { bytes: N, hash: want });
+        await eventually(() => c.destroyed, DEADLINE, "the client to close after both ends");
+      } finally {
+        await closeServer(server);
+      }
+    });
+  }
+
+  it("issue 22 point 1: allowHalfOpen false (the default, as net): the peer's end ends this side too, and both close", async () => {
+    const closed: RdmaStream[] = [];
+    const { server, port } = await listen((s) => {
+      s.resume();
+      s.once("close", () => closed.push(s));
+    });
+    try {
+      const c = dial(port);
+      await once(c, "connect");
+      c.end("bye");
+      const r = await sink(c);
+      assert.equal(r.bytes, 0);
+      await eventually(() => closed.length === 1 && c.destroyed, DEADLINE, "both sides to close");
+    } finally {
+      await closeServer(server);
+    }
+  });
+
+  it("issue 22 point 1: back-pressure: a reader that does not read bounds what the writer holds (write() returns false, 'drain' once read)", { timeout: 120_000 * SLOW }, async () => {
+    const TOTAL = 64 << 20;
+    let srv: RdmaStream | null = null;
+    const { server, port } = await listen((s) => void (srv = s)); // never reads until told
+    try {
+      const c = dial(port);
+      await once(c, "connect");
+      const chunk = Buffer.alloc(64 * 1024, 9);
+      let accepted = 0;
+      let falses = 0;
+      let writing = true;
+      const writer = (async () => {
+        while (accepted < TOTAL) {
+          accepted += chunk.length;
+          if (!c.write(chunk)) {
+            falses++;
+            await once(c, "drain");
+          }
+        }
+        c.end();
+        writing = false;
+      })();
+      // The reader never read: the writer stalls once the reader holds its whole window.
+      await eventually(() => srv !== null && srv.bytesRead >= WINDOW && c.writableNeedDrain, DEADLINE, "the writer to fill the reader's window");
+      // Give a writer that would not stop every chance to go on: round trips on the same
+      // connection (FIFO), each one after everything the writer had posted before it.
+      for (let i = 0; i < 20; i++) (await c.connection!.requestRemoteMr(8)).dispose();
+      assert.ok(srv!.bytesRead <= WINDOW, `the reader was sent ${srv!.bytesRead} bytes with nothing read (window ${WINDOW})`);
+      const bound = WINDOW + 256 * 1024 + 2 * 64 * 1024; // the window, the writable buffer, one chunk
+      assert.ok(srv!.readableLength <= WINDOW, `the reader holds ${srv!.readableLength} bytes`);
+      assert.ok(writing, "the writer must not have finished while nothing was read");
+      assert.ok(accepted <= bound, `the writer took ${accepted} bytes with nothing read (bound ${bound})`);
+      assert.ok(falses > 0);
+      // Now read: everything arrives, and 'drain' lets the writer finish.
+      const r = await sink(srv!);
+      await writer;
+      assert.equal(r.bytes, TOTAL);
+    } finally {
+      await closeServer(server);
+    }
+  });
+
+  for (const side of ["client", "server"] as const) {
+    it(`issue 22 point 1: destroy() mid-transfer by the ${side}: both sides see 'close', the connections are freed`, { timeout: 120_000 * SLOW }, async () => {
+      let srv: RdmaStream | null = null;
+      const srvClosed = { v: false };
+      const { server, port } = await listen((s) => {
+        srv = s;
+        s.on("error", () => {});
+        s.once("close", () => (srvClosed.v = true));
+        s.resume();
+        void pipeline(source(256 << 20), s).catch(() => {});
+      });
+      try {
+        const c = dial(port);
+        c.on("error", () => {});
+        let cliClosed = false;
+        c.once("close", () => (cliClosed = true));
+        let got = 0;
+        c.on("data", (d: Buffer) => (got += d.length));
+        void pipeline(source(256 << 20), c).catch(() => {});
+        await eventually(() => got > 1 << 20 && srv !== null, DEADLINE, "data flowing");
+        const conn = c.connection!;
+        if (side === "client") c.destroy();
+        else srv!.destroy();
+        await eventually(() => cliClosed && srvClosed.v, DEADLINE, "'close' on both sides");
+        assert.equal(conn.isClosed, true);
+        assert.equal(srv!.connection!.isClosed, true);
+        let n = -1;
+        server.getConnections((_e, k) => (n = k));
+        await eventually(() => n === 0, DEADLINE, "the server to hold no connection");
+      } finally {
+        await closeServer(server);
+      }
+    });
+  }
+
+  it("issue 22 point 1: a dead peer (SIGKILL) mid-transfer gives 'error' then 'close' within the liveness bound", { timeout: 120_000 * SLOW }, async () => {
+    const peer = join(dirname(fileURLToPath(import.meta.url)), "..", "support", "net-peer.js");
+    let srv: RdmaStream | null = null;
+    const server = createServer({ builder: builder("server").setKeepalive(100).setPeerTimeout(1_000 * SLOW) }, (s) => {
+      srv = s;
+      s.resume();
+    });
+    server.listen(0, HOST);
+    await once(server, "listening");
+    let child: ChildProcess | null = null;
+    try {
+      child = spawn(process.execPath, [peer, HOST, String(server.address()!.port)], { stdio: ["ignore", "pipe", "inherit"] });
+      await new Promise<void>((res, rej) => {
+        child!.stdout!.on("data", (d: Buffer) => d.toString().includes("connected") && res());
+        child!.once("exit", (c) => rej(new Error(`peer exited early (${c})`)));
+      });
+      await eventually(() => srv !== null && srv.bytesRead > 1 << 20, DEADLINE, "data from the peer");
+      const errors: unknown[] = [];
+      let closed = false;
+      srv!.on("error", (e) => errors.push(e));
+      srv!.once("close", () => (closed = true));
+      child.kill("SIGKILL");
+      // keepalive (100 ms) + peer timeout (1 s, scaled): well inside DEADLINE
+      await eventually(() => closed, DEADLINE, "'close' after the peer died");
+      assert.equal(errors.length, 1);
+      assert.ok(errors[0] instanceof RdmaError, String(errors[0]));
+    } finally {
+      child?.kill("SIGKILL");
+      await closeServer(server);
+    }
+  });
+
+  it("issue 22 point 1: rdma.createStream() over an existing connection; one stream at a time; its end closes the connection", async () => {
+    const p = await apiPair();
+    try {
+      const a = p.client.createStream({ allowHalfOpen: true });
+      assert.throws(() => p.client.createStream(), (e: unknown) => e instanceof RdmaError && e.code === "INVALID_STATE");
+      const b = p.server.createStream({ allowHalfOpen: true });
+      assert.equal(a.remoteAddress, p.client.peer.address);
+      const [, atB, atA] = await Promise.all([
+        pipeline(source(1 << 20), a),
+        sink(b).then((r) => (b.end(), r)),
+        sink(a),
+      ]);
+      assert.deepEqual(atB, { bytes: 1 << 20, hash: await expectedHash(1 << 20) });
+      assert.equal(atA.bytes, 0);
+      await eventually(() => p.client.isClosed && p.server.isClosed, DEADLINE, "both connections closed");
+    } finally {
+      await p.close();
+    }
+  });
+
+  it("issue 22 point 1: hostile peer: DATA past the window it was given gives a PROTOCOL error, and the stream holds no more than the window", async () => {
+    const p = await apiPair();
+    try {
+      const s = p.server.createStream();
+      const errs: unknown[] = [];
+      s.on("error", (e) => errs.push(e));
+      // never read: a well-behaved writer would stop at WINDOW
+      const chunk = 256 * 1024;
+      const m = p.client.allocLocalMr(1 + chunk);
+      m.bytes[0] = 0x01;
+      for (let sent = 0; sent <= WINDOW && errs.length === 0; sent += chunk) await p.client.send(m).catch(() => {});
+      await eventually(() => s.destroyed && errs.length === 1, DEADLINE, "the stream to fail");
+      assert.ok(errs[0] instanceof RdmaError && errs[0].code === "PROTOCOL", String(errs[0]));
+      assert.ok(s.bytesRead <= WINDOW);
+    } finally {
+      await p.close();
+    }
+  });
+
+  it("issue 22 point 1: createStream({ closeConnection: false }): once the stream ends, the connection stays open and its next message reaches receive()", async () => {
+    const p = await apiPair();
+    try {
+      const a = p.client.createStream({ closeConnection: false });
+      const b = p.server.createStream({ closeConnection: false });
+      const [, got] = await Promise.all([pipeline(source(100_000), a), sink(b), sink(a)]);
+      void got;
+      await eventually(() => a.closed && b.closed, DEADLINE, "both streams closed");
+      assert.equal(p.client.isClosed, false);
+      assert.equal(p.server.isClosed, false);
+      const m = p.client.allocLocalMr(3);
+      m.bytes.set([1, 2, 3]);
+      await p.client.send(m);
+      const r = await p.server.receive();
+      assert.deepEqual([...r.bytes], [1, 2, 3]);
+      // and a new stream may run on it
+      const a2 = p.client.createStream();
+      const b2 = p.server.createStream();
+      const [, r2] = await Promise.all([pipeline(source(1000), a2), sink(b2), sink(a2)]);
+      assert.equal(r2.bytes, 1000);
+    } finally {
+      await p.close();
+    }
+  });
+
+  for (const [what, bytes] of [
+    ["an unknown kind", [0x7f, 1, 2]],
+    ["an empty message", []],
+    ["DATA without bytes", [0x01]],
+    ["FIN with bytes", [0x02, 0]],
+    ["a window update of 0", [0x03, 0, 0, 0, 0]],
+    ["a window update past the window", [0x03, 0xff, 0xff, 0xff, 0xff]],
+    ["a short window update", [0x03, 0, 1]],
+  ] as const) {
+    it(`issue 22 point 1: hostile peer: ${what} gives the stream a PROTOCOL error, not a crash`, async () => {
+      const p = await apiPair();
+      try {
+        const s = p.server.createStream();
+        const errs: unknown[] = [];
+        s.on("error", (e) => errs.push(e));
+        s.resume();
+        const m = p.client.allocLocalMr(bytes.length);
+        m.bytes.set(bytes);
+        await p.client.send(m);
+        await eventually(() => s.destroyed && errs.length === 1, DEADLINE, "the stream to fail");
+        assert.ok(errs[0] instanceof RdmaError && errs[0].code === "PROTOCOL", String(errs[0]));
+      } finally {
+        await p.close();
+      }
+    });
+  }
+});
