@@ -673,9 +673,9 @@ export class RpcServer<M extends RpcMethods = RpcUntyped> {
               (v) => done(call.aborted ? null : okFrame(f.id, v, peerMax)),
               (e: unknown) => done(call.aborted ? null : errorFrame(f.id, e)),
             );
-          else if (!(r instanceof Promise)) done(encodedFrame(f.id, r, codec, peerMax));
+          else if (typeof (r as { then?: unknown } | null | undefined)?.then !== "function") done(encodedFrame(f.id, r, codec, peerMax));
           else
-            r.then(
+            Promise.resolve(r).then(
               (v) => done(call.aborted ? null : encodedFrame(f.id, v, codec, peerMax)),
               (e: unknown) => done(call.aborted ? null : errorFrame(f.id, e)),
             );
