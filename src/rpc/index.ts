@@ -21,6 +21,12 @@
  *   connection (the client waits for credits), so a client that does not
  *   read its replies is held back, not buffered.
  *
+ * - Typed: `RpcClient<Methods>` / `RpcServer<Methods>` with a method map
+ *   (`{ name: { request: Req; response: Res } }`) check method names and
+ *   payload types at compile time; without a map both take and give bytes.
+ * - Payload codecs: raw bytes (the default: nothing is copied or converted),
+ *   `jsonCodec`, or any `{ encode, decode }`; per client/server or per method.
+ *
  * One RpcClient or RpcServer per connection: each consumes the connection's
  * receive(). Use `newConnection()` for more.
  *
@@ -59,8 +65,13 @@ const MAX_DETAILS = 16 * 1024;
  */
 const CLOSED_POLL_MS = 1000;
 
-/** An error a handler threw (or the server's answer to an unknown method), carried back to the caller. */
-export class RpcError extends Error {
+/**
+ * An error a handler threw (or the server's answer to an unknown method), carried back to the caller.
+ * A handler may throw one itself (`new RpcError("EQUOTA", "over quota", "put", { used: 5 })`), or any
+ * error (or plain object) with a string `code`, a `message` and a JSON-able `details`.
+ * `D` is the type of `details` as the caller expects it (see `isRpcError`); it is not checked at run time.
+ */
+export class RpcError<D = unknown> extends Error {
   override readonly name = "RpcError";
   /** `code`: the handler error's code; `message`: its message; `method`: the method called; `details`: its `details`. */
   constructor(
@@ -75,11 +86,65 @@ export class RpcError extends Error {
      * when it had none, or when its JSON was over 16 KiB or could not be
      * made (a cycle, a BigInt).
      */
-    readonly details?: unknown,
+    readonly details?: D,
   ) {
     super(message);
   }
 }
+
+/**
+ * Narrows a call's rejection to an RpcError (of `code`, when given) whose `details` the caller
+ * expects to be a `D` (taken on trust: details are the server's JSON).
+ *
+ * @example
+ * try { await client.call("put", req); }
+ * catch (e) { if (isRpcError<{ used: number }>(e, "EQUOTA")) console.log(e.details?.used); }
+ */
+export function isRpcError<D = unknown>(e: unknown, code?: string): e is RpcError<D> {
+  return e instanceof RpcError && (code === undefined || e.code === code);
+}
+
+/**
+ * How a method's payloads become bytes and back. `decode` may keep the bytes it is given (they are
+ * the call's own copy). A throw from `encode` fails the call (the client's: INVALID_ARGUMENT before
+ * anything is sent; the server's: the caller gets an RpcError with the thrown code); a throw from
+ * the server's `decode` answers the caller with an RpcError "BAD_REQUEST", from the client's
+ * `decode` rejects that call with an RpcError "BAD_REPLY".
+ */
+export interface RpcCodec<T = unknown> {
+  encode(value: T): Uint8Array;
+  decode(bytes: Uint8Array): T;
+}
+
+/** Bytes as they are (the default): nothing copied, nothing converted. */
+export const rawCodec: RpcCodec<Uint8Array> = Object.freeze({
+  encode: (v: Uint8Array): Uint8Array => v,
+  decode: (b: Uint8Array): Uint8Array => b,
+});
+
+/** JSON as UTF-8; `undefined` travels as an empty payload (and comes back as `undefined`). */
+export const jsonCodec: RpcCodec<unknown> = Object.freeze({
+  encode: (v: unknown): Uint8Array => (v === undefined ? EMPTY : enc.encode(JSON.stringify(v))),
+  decode: (b: Uint8Array): unknown => (b.length === 0 ? undefined : JSON.parse(dec.decode(b))),
+});
+
+/** One method of a method map: what the caller sends and what the handler answers. */
+export interface RpcMethod<Req = Uint8Array, Res = Uint8Array> {
+  request: Req;
+  response: Res;
+}
+
+/** A method map: method name → its request and response types. */
+export type RpcMethods = { [method: string]: RpcMethod<any, any> };
+
+/** The map of an untyped client or server: any method name, bytes in and out. */
+export type RpcUntyped = Record<string, RpcMethod<Uint8Array, Uint8Array>>;
+
+/** The method names of a map (string keys only). */
+export type RpcMethodName<M extends RpcMethods> = keyof M & string;
+
+/** The codec of each method, where it differs from the client's or server's `codec`. */
+export type RpcCodecs<M extends RpcMethods> = { [K in RpcMethodName<M>]?: RpcCodec<any> };
 
 /** What a handler learns about its call. */
 export interface RpcContext {
@@ -95,7 +160,10 @@ export interface RpcContext {
  * (nothing: an empty reply). A thrown error goes back to the caller as an
  * RpcError with the error's `code`, `message` and `details`.
  */
-export type RpcHandler = (payload: Uint8Array, ctx: RpcContext) => Uint8Array | void | Promise<Uint8Array | void>;
+export type RpcHandler<Req = Uint8Array, Res = Uint8Array> = (payload: Req, ctx: RpcContext) => Res | void | Promise<Res | void>;
+
+/** A handler for every method of the map `M`. */
+export type RpcHandlers<M extends RpcMethods> = { [K in RpcMethodName<M>]: RpcHandler<M[K]["request"], M[K]["response"]> };
 
 interface Frame {
   kind: number;
@@ -296,9 +364,22 @@ function okFrame(id: number, v: unknown, peerMax: number): Uint8Array {
   return encodeFrame(OK, id, null, p);
 }
 
+/** The reply to call `id` through a codec; a value the codec cannot encode answers as the error it threw. */
+function encodedFrame(id: number, v: unknown, codec: RpcCodec<any>, peerMax: number): Uint8Array {
+  let b: Uint8Array;
+  try {
+    b = codec.encode(v);
+  } catch (e) {
+    return errorFrame(id, e);
+  }
+  if (!(b instanceof Uint8Array)) return errorFrame(id, { code: "HANDLER_ERROR", message: "the codec's encode() did not return a Uint8Array" });
+  return okFrame(id, b, peerMax);
+}
+
 function errorFrame(id: number, e: unknown): Uint8Array {
   const code = typeof (e as { code?: unknown })?.code === "string" ? (e as { code: string }).code : "HANDLER_ERROR";
-  const message = e instanceof Error ? e.message : String(e);
+  const m = e !== null && typeof e === "object" ? (e as { message?: unknown }).message : undefined;
+  const message = typeof m === "string" ? m : String(e);
   let json = JSON.stringify({ code: code.slice(0, 100), message: message.slice(0, 4000) });
   const details = e !== null && typeof e === "object" ? (e as { details?: unknown }).details : undefined;
   if (details !== undefined) {
@@ -315,7 +396,11 @@ function errorFrame(id: number, e: unknown): Uint8Array {
 }
 
 /** Options of `new RpcServer(handlers, opts)`. */
-export interface RpcServerOptions {
+export interface RpcServerOptions<M extends RpcMethods = RpcUntyped> {
+  /** How every method's payloads are encoded (default `rawCodec`: the handler gets the bytes, returns bytes). */
+  codec?: RpcCodec<any>;
+  /** Per method, where it differs from `codec`. */
+  codecs?: RpcCodecs<M>;
   /**
    * Calls of one connection counted at once (default 128): a call counts
    * from the moment its handler starts until its reply has been sent (or,
@@ -342,6 +427,30 @@ export interface RpcServerOptions {
   replyTimeoutMs?: number;
 }
 
+/** A method as the server holds it: its handler and its codec (null: raw bytes). */
+interface Method {
+  fn: RpcHandler<any, any>;
+  codec: RpcCodec<any> | null;
+}
+
+/** The codec to use, null for raw bytes (so the raw path calls nothing). */
+function codecOf(c: RpcCodec<any> | undefined, what: string): RpcCodec<any> | null {
+  if (c === undefined || c === rawCodec) return null;
+  if (c === null || typeof c !== "object" || typeof c.encode !== "function" || typeof c.decode !== "function") throw new RdmaError("INVALID_ARGUMENT", `${what} must be an object with encode() and decode()`);
+  return c;
+}
+
+/** Options of a call. */
+export interface CallOptions {
+  /** Cancels the call (rejects with ABORTED; the server's handler sees its signal abort). */
+  signal?: AbortSignal;
+  /** Rejects with TIMEOUT (and cancels the call at the server) after this. */
+  timeoutMs?: number;
+}
+
+/** The arguments of `call(method, ...)`: the payload may be left out when the method takes bytes or `undefined`. */
+export type RpcCallArgs<Req> = [Req] extends [Uint8Array] ? [payload?: Req, opts?: CallOptions] : undefined extends Req ? [payload?: Req, opts?: CallOptions] : [payload: Req, opts?: CallOptions];
+
 /** One connection being served: what its calls hold. */
 interface Served {
   running: Map<number, Running>;
@@ -349,14 +458,19 @@ interface Served {
 }
 
 /**
- * Answers calls with a handler per method.
+ * Answers calls with a handler per method. `M`, a method map, types the
+ * handlers (names, payloads, replies); without it they take and give bytes.
  *
  * @example
  * const server = new RpcServer({ echo: (payload) => payload });
  * void server.listen(await new RdmaBuilder().bind("0.0.0.0:5555"));
+ *
+ * @example
+ * type Api = { add: { request: { a: number; b: number }; response: number } };
+ * const typed = new RpcServer<Api>({ add: ({ a, b }) => a + b }, { codec: jsonCodec });
  */
-export class RpcServer {
-  private readonly handlers: Map<string, RpcHandler>;
+export class RpcServer<M extends RpcMethods = RpcUntyped> {
+  private readonly handlers: Map<string, Method>;
   private readonly maxInFlight: number;
   private readonly maxQueuedBytes: number;
   private readonly replyTimeoutMs: number;
@@ -368,13 +482,17 @@ export class RpcServer {
   private waiting = 0;
 
   /** `handlers`: method name → handler. */
-  constructor(handlers: Record<string, RpcHandler>, opts: RpcServerOptions = {}) {
+  constructor(handlers: RpcHandlers<NoInfer<M>>, opts: RpcServerOptions<NoInfer<M>> = {}) {
     if (handlers === null || typeof handlers !== "object") throw new RdmaError("INVALID_ARGUMENT", "RpcServer: handlers must be an object of functions");
+    if (opts.codecs !== undefined && (opts.codecs === null || typeof opts.codecs !== "object")) throw new RdmaError("INVALID_ARGUMENT", "RpcServer: codecs must be an object of codecs");
+    const all = codecOf(opts.codec, "RpcServer: codec");
+    const per = (opts.codecs ?? {}) as Record<string, RpcCodec<any> | undefined>;
     this.handlers = new Map();
-    for (const [k, h] of Object.entries(handlers)) {
+    for (const [k, h] of Object.entries(handlers as Record<string, unknown>)) {
       if (typeof h !== "function") throw new RdmaError("INVALID_ARGUMENT", `RpcServer: handler ${JSON.stringify(k)} is not a function`);
       if (enc.encode(k).length > MAX_METHOD) throw new RdmaError("INVALID_ARGUMENT", `RpcServer: method name ${JSON.stringify(k.slice(0, 40))}… is longer than ${MAX_METHOD} bytes`);
-      this.handlers.set(k, h);
+      const own = Object.hasOwn(per, k) ? per[k] : undefined;
+      this.handlers.set(k, { fn: h as RpcHandler<any, any>, codec: own === undefined ? all : codecOf(own, `RpcServer: codecs.${k}`) });
     }
     const m = opts.maxInFlight ?? DEFAULT_MAX_IN_FLIGHT;
     if (!Number.isInteger(m) || m < 1) throw new RdmaError("INVALID_ARGUMENT", "RpcServer: maxInFlight must be a positive integer");
@@ -516,7 +634,7 @@ export class RpcServer {
           if (full() && !(await room())) return;
           if (running.has(f.id)) throw new RdmaError("PROTOCOL", `rpc: call id ${f.id} is already running`);
           const h = this.handlers.get(f.method);
-          if (!h) {
+          if (h === undefined) {
             queue(errorFrame(f.id, Object.assign(new Error(`no such method: ${JSON.stringify(f.method)}`), { code: "NOT_FOUND" })));
             continue;
           }
@@ -531,18 +649,34 @@ export class RpcServer {
             wake = null;
             w?.();
           };
+          const codec = h.codec;
+          let req: unknown = f.payload;
+          if (codec !== null) {
+            try {
+              req = codec.decode(f.payload);
+            } catch (e) {
+              done(errorFrame(f.id, { code: "BAD_REQUEST", message: `the payload could not be decoded: ${e instanceof Error ? e.message : String(e)}` }));
+              continue;
+            }
+          }
           let r;
           try {
-            r = h(f.payload, call);
+            r = h.fn(req, call);
           } catch (e) {
             done(errorFrame(f.id, e));
             continue;
           }
           // A synchronous handler's reply needs no promise turn.
-          if (r instanceof Uint8Array || r === undefined) done(okFrame(f.id, r, peerMax));
-          else
+          if (codec === null && (r instanceof Uint8Array || r === undefined)) done(okFrame(f.id, r, peerMax));
+          else if (codec === null)
             Promise.resolve(r).then(
               (v) => done(call.aborted ? null : okFrame(f.id, v, peerMax)),
+              (e: unknown) => done(call.aborted ? null : errorFrame(f.id, e)),
+            );
+          else if (typeof (r as { then?: unknown } | null | undefined)?.then !== "function") done(encodedFrame(f.id, r, codec, peerMax));
+          else
+            Promise.resolve(r).then(
+              (v) => done(call.aborted ? null : encodedFrame(f.id, v, codec, peerMax)),
               (e: unknown) => done(call.aborted ? null : errorFrame(f.id, e)),
             );
         }
@@ -587,24 +721,46 @@ class Running implements RpcContext {
   }
 }
 
-/** Options of a call. */
-export interface CallOptions {
-  /** Cancels the call (rejects with ABORTED; the server's handler sees its signal abort). */
-  signal?: AbortSignal;
-  /** Rejects with TIMEOUT (and cancels the call at the server) after this. */
+/** Options of `new RpcClient(rdma, opts)`. */
+export interface RpcClientOptions<M extends RpcMethods = RpcUntyped> {
+  /** Deadline of calls that give none (ms). */
   timeoutMs?: number;
+  /** How every method's payloads are encoded (default `rawCodec`: bytes in, bytes out). */
+  codec?: RpcCodec<any>;
+  /** Per method, where it differs from `codec`. */
+  codecs?: RpcCodecs<M>;
+}
+
+const NO_OPTIONS: CallOptions = Object.freeze({});
+
+/** A call waiting for its reply. */
+interface Pending {
+  resolve: (v: unknown) => void;
+  reject: (e: unknown) => void;
+  method: string;
+  /** Decodes the reply; null: raw bytes. */
+  codec: RpcCodec<any> | null;
 }
 
 /**
- * Calls methods of an RpcServer over one connection.
+ * Calls methods of an RpcServer over one connection. `M`, a method map,
+ * types the calls (names, payloads, replies); without it they take and
+ * give bytes.
  *
  * @example
  * const client = new RpcClient(await new RdmaBuilder().connect("10.0.0.1:5555"));
  * const reply = await client.call("echo", new TextEncoder().encode("hi"), { timeoutMs: 1_000 });
+ *
+ * @example
+ * type Api = { add: { request: { a: number; b: number }; response: number } };
+ * const typed = new RpcClient<Api>(rdma, { codec: jsonCodec });
+ * const three: number = await typed.call("add", { a: 1, b: 2 });
  */
-export class RpcClient {
+export class RpcClient<M extends RpcMethods = RpcUntyped> {
   private nextId = 1;
-  private readonly pending = new Map<number, { resolve: (v: Uint8Array) => void; reject: (e: unknown) => void; method: string }>();
+  private readonly pending = new Map<number, Pending>();
+  private readonly codec: RpcCodec<any> | null;
+  private readonly codecs: Map<string, RpcCodec<any> | null> | null;
   private failure: unknown = null;
   private readonly outbox: Outbox;
   private readonly loop: Promise<void>;
@@ -614,8 +770,16 @@ export class RpcClient {
   /** A client on `rdma` (it consumes the connection's receive()); `defaults.timeoutMs` applies to calls that give none. */
   constructor(
     readonly rdma: Rdma,
-    private readonly defaults: { timeoutMs?: number } = {},
+    private readonly defaults: RpcClientOptions<NoInfer<M>> = {},
   ) {
+    this.codec = codecOf(defaults.codec, "RpcClient: codec");
+    const per = defaults.codecs;
+    if (per !== undefined && (per === null || typeof per !== "object")) throw new RdmaError("INVALID_ARGUMENT", "RpcClient: codecs must be an object of codecs");
+    this.codecs = null;
+    if (per !== undefined) {
+      this.codecs = new Map();
+      for (const [k, c] of Object.entries(per as Record<string, RpcCodec<any> | undefined>)) if (c !== undefined) this.codecs.set(k, codecOf(c, `RpcClient: codecs.${k}`));
+    }
     this.peerMax = rdma.peerLimits?.maxMessageSize ?? 2 ** 32 - 1;
     this.outbox = new Outbox(
       rdma,
@@ -668,8 +832,19 @@ export class RpcClient {
         const p = this.pending.get(f.id);
         if (!p) continue; // cancelled meanwhile
         this.pending.delete(f.id);
-        if (f.kind === OK) p.resolve(f.payload);
-        else {
+        if (f.kind === OK) {
+          if (p.codec === null) p.resolve(f.payload);
+          else {
+            let v: unknown;
+            try {
+              v = p.codec.decode(f.payload);
+            } catch (e) {
+              p.reject(new RpcError("BAD_REPLY", `${p.method}: the reply could not be decoded: ${e instanceof Error ? e.message : String(e)}`, p.method));
+              continue;
+            }
+            p.resolve(v);
+          }
+        } else {
           let code = "HANDLER_ERROR";
           let message = "the handler failed";
           let details: unknown;
@@ -687,11 +862,28 @@ export class RpcClient {
     }
   }
 
-  /** Calls `method` with `payload`; resolves to the handler's reply bytes. */
-  call(method: string, payload: Uint8Array = new Uint8Array(0), opts: CallOptions = {}): Promise<Uint8Array> {
+  /** Calls `method` with `payload` (encoded by the method's codec); resolves to the handler's reply (decoded by it). */
+  call<K extends RpcMethodName<M>>(method: K, ...args: RpcCallArgs<M[K]["request"]>): Promise<M[K]["response"]>;
+  call(method: string, value?: unknown, opts: CallOptions = NO_OPTIONS): Promise<unknown> {
     if (this.failure) return Promise.reject(this.failure);
     if (typeof method !== "string" || method.length === 0) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "call: method must be a non-empty string"));
-    if (!(payload instanceof Uint8Array)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "call: payload must be a Uint8Array"));
+    let codec = this.codec;
+    if (this.codecs !== null) {
+      const own = this.codecs.get(method);
+      if (own !== undefined) codec = own;
+    }
+    let payload: unknown = value;
+    if (codec === null) {
+      if (payload === undefined) payload = EMPTY;
+    }
+    else {
+      try {
+        payload = codec.encode(value);
+      } catch (e) {
+        return Promise.reject(new RdmaError("INVALID_ARGUMENT", `call: ${method}: the payload could not be encoded: ${e instanceof Error ? e.message : String(e)}`));
+      }
+    }
+    if (!(payload instanceof Uint8Array)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", codec === null ? "call: payload must be a Uint8Array" : `call: ${method}: the codec's encode() did not return a Uint8Array`));
     const m = this.methodBytes(method);
     if (m.length > MAX_METHOD) return Promise.reject(new RdmaError("INVALID_ARGUMENT", `call: method name longer than ${MAX_METHOD} bytes`));
     // Refused here, this call only: queued, it would fail the send of the message it shares.
@@ -703,7 +895,7 @@ export class RpcClient {
     if (timeoutMs !== undefined && (!Number.isInteger(timeoutMs) || timeoutMs < 1)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "call: timeoutMs must be a positive integer"));
     const id = this.nextId;
     this.nextId = (this.nextId + 1) >>> 0 || 1;
-    return new Promise<Uint8Array>((resolve, reject) => {
+    return new Promise<unknown>((resolve, reject) => {
       let timer: NodeJS.Timeout | null = null;
       const cleanup = (): void => {
         if (timer) clearTimeout(timer);
@@ -720,6 +912,7 @@ export class RpcClient {
       signal?.addEventListener("abort", onAbort, { once: true });
       this.pending.set(id, {
         method,
+        codec,
         resolve: (v) => {
           cleanup();
           resolve(v);
@@ -729,7 +922,7 @@ export class RpcClient {
           reject(e);
         },
       });
-      this.outbox.push(encodeFrame(CALL, id, m, payload));
+      this.outbox.push(encodeFrame(CALL, id, m, payload as Uint8Array));
     });
   }
 

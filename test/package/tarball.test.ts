@@ -104,7 +104,7 @@ describe("package tarball", { timeout: 120_000 }, () => {
     if (tmp) rmSync(tmp, { recursive: true, force: true });
   });
 
-  it("ships dist (no tests), the native sources and build scripts, README, LICENSE, CHANGELOG, and nothing else", () => {
+  it("ships dist (no tests), the native sources and build scripts, README, LICENSE, CHANGELOG, the user docs, and nothing else", () => {
     const paths = packed.files.map((f) => f.path);
     for (const p of ["package.json", "README.md", "LICENSE", "CHANGELOG.md", "binding.gyp", "native/verbs.c", "native/cm.c", "native/napi_util.h", "scripts/build-native.mjs", "scripts/install.mjs", "dist/src/index.js", "dist/src/index.d.ts", "dist/src/cli/main.js", "dist/examples/lab/run.js"]) {
       assert.ok(paths.includes(p), `${p} is not in the tarball`);
@@ -112,7 +112,9 @@ describe("package tarball", { timeout: 120_000 }, () => {
     const stray = paths.filter(
       (p) =>
         !/^(package\.json|README\.md|LICENSE|CHANGELOG\.md|binding\.gyp|native\/[\w-]+\.[ch]|scripts\/(build-native|install)\.mjs|prebuilds\/linux-x64\/async_rdma_(verbs|cm)\.glibc\.node)$/.test(p) &&
-        !/^dist\/(src|examples)\/.*\.(js|d\.ts)$/.test(p),
+        !/^dist\/(src|examples)\/.*\.(js|d\.ts)$/.test(p) &&
+        // the user docs the README links (issue 22 point 7; test/package/links.test.ts)
+        !/^docs\/(guide\/[\w-]+|tutorial\/\w+\/README|cp|limits|memory|security|wire-format)\.md$/.test(p),
     );
     assert.deepEqual(stray, [], "files outside the whitelist");
     assert.deepEqual(paths.filter((p) => /\.test\.|^dist\/test\/|\.map$|^src\/|^test\/|^bench\/|^\.ci\/|softroce/.test(p)), []);

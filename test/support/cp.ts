@@ -18,7 +18,7 @@ export const MAIN = join(here, "..", "..", "src", "cli", "main.js");
 export const DEADLINE = 30_000 * SLOW;
 export { HOST, PROVIDER };
 
-function env(side: 0 | 1, extra: Record<string, string> = {}): NodeJS.ProcessEnv {
+export function env(side: 0 | 1, extra: Record<string, string> = {}): NodeJS.ProcessEnv {
   const dev = deviceNames()[side];
   return { ...process.env, ASYNC_RDMA_PROVIDER: PROVIDER, ...(PROVIDER === "verbs" && dev ? { ASYNC_RDMA_DEVICE: dev } : {}), ...extra };
 }
@@ -34,8 +34,8 @@ export interface Proc {
   kill(sig?: NodeJS.Signals): void;
 }
 
-export function run(args: string[], opts: { side?: 0 | 1; env?: Record<string, string>; spawn?: SpawnOptions } = {}): Proc {
-  const child = spawn(process.execPath, [MAIN, ...args], { stdio: ["ignore", "pipe", "pipe"], env: env(opts.side ?? 1, opts.env), ...opts.spawn });
+export function run(args: string[], opts: { side?: 0 | 1; env?: Record<string, string>; spawn?: SpawnOptions; main?: string } = {}): Proc {
+  const child = spawn(process.execPath, [opts.main ?? MAIN, ...args], { stdio: ["ignore", "pipe", "pipe"], env: env(opts.side ?? 1, opts.env), ...opts.spawn });
   let out = "";
   let err = "";
   let status: number | string | undefined;
@@ -137,7 +137,7 @@ export function stopped(pid: number, ms = DEADLINE): Promise<void> {
 
 /** A cp that stops itself (SIGSTOP) after `bytes` were copied; the caller decides what happens next. */
 export async function cpStopped(args: string[], bytes: number): Promise<{ proc: Proc; finish(): Promise<CpResult> }> {
-  const proc = run(["cp", "--json", ...args], { env: { ASYNC_RDMA_CP_STOP_AFTER: String(bytes) } });
+  const proc = run([String(bytes), "--json", ...args], { main: join(here, "cp-stop.js") });
   await proc.waitFor(/"type":"stopped"/);
   await stopped(proc.pid);
   return {

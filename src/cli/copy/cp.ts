@@ -11,6 +11,8 @@
  *             answers its CRC; we RDMA READ the slot, check, and write.
  * `depth` chunks are in flight, so disk and network overlap. Small files
  * travel the same way, many per slot and per call (a batch fills one slot).
+ * `-` as the source reads stdin, as the destination writes stdout
+ * (stream.ts). The library's copy() (api.ts) runs the same code.
  * See docs/cp.md.
  */
 import { lstat, readdir, realpath, stat } from "node:fs/promises";
@@ -24,7 +26,9 @@ import { allocRing, chunkCount, chunkLen, FileSink, FileSource, sameSecond } fro
 import { readSmallInto, writeBatch, type BatchFile } from "./batch.js";
 import { makeDir, makeLink, mapLimit, MAX_ENTRIES, peerMode, setTimes, walk } from "./tree.js";
 import { checkListing, encodeGet, encodePut, fromJson, smallFiles, toJson, type Entry, type Result, type SmallFile } from "./protocol.js";
-import { Progress, type OutputMode } from "./progress.js";
+import { Progress, type OutputMode, type ProgressListener } from "./progress.js";
+import { spool, StreamSink } from "./stream.js";
+import type { Readable, Writable } from "node:stream";
 
 /** Measured defaults (docs/performance.md, "cp"). */
 export const DEFAULT_CHUNK = 1024 * 1024;
@@ -40,16 +44,19 @@ export const DEFAULT_TIMEOUT_S = 120;
 const SMALL = 256 * 1024;
 const BATCH_FILES = 1024;
 /**
- * Measurement switch (bench only, not an option): uploads pulled by the
- * server with RDMA READ from this side's ring instead of pushed with RDMA
- * WRITE into the server's. docs/performance.md compares the two.
+ * Measurement switch of the command (documented in docs/cp.md, "Environment"):
+ * uploads pulled by the server with RDMA READ from this side's ring instead
+ * of pushed with RDMA WRITE into the server's. docs/performance.md compares
+ * the two; the push is faster, so it is no option.
  */
-const PULL = process.env.ASYNC_RDMA_CP_UPLOAD === "read";
+const PULL_ENV = "ASYNC_RDMA_CP_UPLOAD";
 
 export const USAGE = `usage: async-rdma cp [options] src... dest
 Copies files to or from an \`async-rdma serve\` server. A remote path is
 host:path or host:port:path (scp syntax; paths are relative to the served
 directory). Either every src is remote (download) or dest is (upload).
+A src of - uploads stdin (dest names the file); a dest of - writes the
+one remote file named by src to stdout (progress and summary on stderr).
 
   -r, --recursive         copy directories
       --resume            continue an interrupted copy: files already complete
@@ -73,6 +80,8 @@ Examples:
   async-rdma cp big.iso server:isos/          upload into the directory isos/
   async-rdma cp -r server:7000:photos ./      download a tree from port 7000
   async-rdma cp --resume big.iso server:      continue after an interruption
+  tar c dir | async-rdma cp - server:dir.tar  upload a pipe
+  async-rdma cp server:dir.tar - | tar x      download into a pipe
 `;
 
 interface Remote {
@@ -103,7 +112,8 @@ export function parseRemote(s: string): Remote | null {
   return { host, port: DEFAULT_PORT, path: rest };
 }
 
-interface Options {
+/** The settings of one copy (the command's options, or the library's CopyOptions). */
+export interface Options {
   recursive: boolean;
   resume: boolean;
   verify: boolean;
@@ -116,6 +126,8 @@ interface Options {
   keepSetid: boolean;
   /** Deadline of every call to the server, ms (0: none). */
   timeoutMs: number;
+  /** Uploads pulled by the server with RDMA READ (the measurement switch ASYNC_RDMA_CP_UPLOAD=read). */
+  pull: boolean;
 }
 
 /** Slot numbers of the ring, from a free list. */
@@ -188,15 +200,15 @@ class Session {
   }
 
   /** `directDir`: downloads write under this local directory (the ring is aligned for it). */
-  static async open(r: Remote, b: RdmaBuilder, opts: Options, p: Progress, directDir: string | null): Promise<Session> {
+  static async open(r: Remote, b: RdmaBuilder, opts: Options, p: Progress, directDir: string | null, signal: AbortSignal | undefined): Promise<Session> {
     b.setPeerTimeout(10_000);
-    const rdma = await b.connect({ host: r.host, port: r.port });
+    const rdma = await b.connect({ host: r.host, port: r.port }, signal ? { signal } : undefined);
     try {
       const rpc = new RpcClient(rdma, opts.timeoutMs > 0 ? { timeoutMs: opts.timeoutMs } : {});
       // the server may grant fewer slots, never another chunk size: this ring is big enough
       const { ring, direct } = allocRing(rdma, opts.chunk * opts.depth, opts.chunk, directDir);
-      if (PULL) rdma.share("cp-client-ring", ring, { access: "read" });
-      const h = fromJson(await rpc.call("hello", toJson({ version: 1, chunk: opts.chunk, depth: opts.depth, verify: opts.verify, pull: PULL })));
+      if (opts.pull) rdma.share("cp-client-ring", ring, { access: "read" });
+      const h = fromJson(await rpc.call("hello", toJson({ version: 1, chunk: opts.chunk, depth: opts.depth, verify: opts.verify, pull: opts.pull })));
       const chunk = Number(h.chunk);
       const depth = Number(h.depth);
       if (chunk !== opts.chunk || !(depth >= 1 && depth <= opts.depth)) throw new CopyError("PROTOCOL", `the server answered chunk ${chunk}, depth ${depth}`);
@@ -405,7 +417,7 @@ async function upload(s: Session, items: Item[]): Promise<void> {
           const view = s.local.subarray(slot * s.chunk, slot * s.chunk + n);
           const crc = await src.readChunk(k, s.chunk, view, s.opts.verify);
           const at = slot * s.chunk;
-          if (PULL) await s.rpcCall("pull", encodePut(id, slot, off, n, crc));
+          if (s.opts.pull) await s.rpcCall("pull", encodePut(id, slot, off, n, crc));
           // WRITE then the call, on one QP: the data is in place when `put` arrives
           else await Promise.all([s.rdma.write(s.ring.slice(at, at + n), s.rmr.slice(at, at + n)), s.rpcCall("put", encodePut(id, slot, off, n, crc))]);
           p.add(n);
@@ -676,8 +688,15 @@ async function directoryOf(dest: string): Promise<string> {
   return (await stat(dest).catch(() => null))?.isDirectory() === true ? dest : dirname(dest) || ".";
 }
 
-export async function cp(args: string[]): Promise<number> {
-  const opts: Options = { recursive: false, resume: false, verify: true, chunk: DEFAULT_CHUNK, depth: DEFAULT_DEPTH, provider: undefined, keyFile: undefined, mode: "human", keepSetid: false, timeoutMs: DEFAULT_TIMEOUT_S * 1000 };
+/** Default settings of a copy (the command's defaults). */
+export function defaultOptions(): Options {
+  return { recursive: false, resume: false, verify: true, chunk: DEFAULT_CHUNK, depth: DEFAULT_DEPTH, provider: undefined, keyFile: undefined, mode: "human", keepSetid: false, timeoutMs: DEFAULT_TIMEOUT_S * 1000, pull: false };
+}
+
+/** `async-rdma cp args...`; `listener` hears the copy's progress and errors (the command prints them itself). */
+export async function cp(args: string[], listener: ProgressListener | null = null): Promise<number> {
+  const opts = defaultOptions();
+  opts.pull = process.env[PULL_ENV] === "read";
   const paths: string[] = [];
   for (let i = 0; i < args.length; i++) {
     const a = args[i]!;
@@ -703,39 +722,142 @@ export async function cp(args: string[]): Promise<number> {
   }
   if (paths.length < 2) throw new CopyError("USAGE", "cp needs at least one source and a destination (async-rdma cp --help)");
   const dest = paths.pop()!;
-  const dr = parseRemote(dest);
-  const sr = paths.map(parseRemote);
+  const p = new Progress(opts.mode, listener);
+  // stdout carries the data: what cp says goes to stderr
+  if (dest === "-") p.out = process.stderr;
+  await copyPaths(paths, dest, { opts, builder: () => builderFor(opts.provider, opts.keyFile), p, stdin: process.stdin, stdout: process.stdout });
+  p.summary();
+  return p.errors.length === 0 ? 0 : 1;
+}
+
+/** What one copy runs with besides its paths. */
+export interface CopyRun {
+  opts: Options;
+  /** Called once the paths are checked (a usage error comes first). */
+  builder: () => RdmaBuilder;
+  p: Progress;
+  /** Aborts the copy: the connection is closed, what is being copied fails (and stays resumable). */
+  signal?: AbortSignal;
+  /** The source `-`. */
+  stdin?: Readable;
+  /** The destination `-`. */
+  stdout?: Writable;
+}
+
+/**
+ * Copies `srcs` to `dest` (the command's semantics; `-` is `run.stdin` as a
+ * source, `run.stdout` as the destination). What fails is recorded in
+ * `run.p.errors`; throws only on a usage error.
+ */
+export async function copyPaths(srcs: readonly string[], dest: string, run: CopyRun): Promise<void> {
+  const { opts, p, signal } = run;
+  const dr = dest === "-" ? null : parseRemote(dest);
+  const sr = srcs.map((x) => (x === "-" ? null : parseRemote(x)));
   let remote: Remote;
   let up: boolean;
   if (dr && sr.every((x) => x === null)) {
     remote = dr;
     up = true;
-  } else if (!dr && sr.every((x) => x !== null)) {
+  } else if (!dr && sr.length > 0 && sr.every((x) => x !== null)) {
     remote = sr[0]!;
     up = false;
     if (sr.some((x) => x!.host !== remote.host || x!.port !== remote.port)) throw new CopyError("USAGE", "every remote source must be on the same server");
   } else throw new CopyError("USAGE", "either the destination is remote (upload) or every source is (download), not both and not neither");
+  const fromStdin = up && srcs.includes("-");
+  if (fromStdin && srcs.length > 1) throw new CopyError("USAGE", "- (stdin) must be the only source");
+  if (fromStdin && run.stdin === undefined) throw new CopyError("USAGE", "- as a source needs an input stream");
+  const toStdout = !up && dest === "-";
+  if (toStdout && srcs.length > 1) throw new CopyError("USAGE", "- (stdout) takes one source file");
+  if (toStdout && run.stdout === undefined) throw new CopyError("USAGE", "- as the destination needs an output stream");
   // a usage error (a bad --provider, a key file others can read) before anything else
-  const builder = builderFor(opts.provider, opts.keyFile);
-  const p = new Progress(opts.mode);
-  let s: Session;
+  const builder = run.builder();
+  const aborted = (): boolean => signal?.aborted === true;
+  let spooled: Awaited<ReturnType<typeof spool>> | null = null;
+  let s: Session | null = null;
+  const onAbort = (): void => void s?.close();
+  signal?.addEventListener("abort", onAbort, { once: true });
   try {
-    s = await Session.open(remote, builder, opts, p, up ? null : await directoryOf(dest));
-  } catch (e) {
-    p.fail(`${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + silentNote(e, opts));
-    p.summary();
-    return 1;
-  }
-  try {
-    if (up) await upload(s, await planUpload(s, paths, remote.path));
-    else await download(s, await planDownload(s, sr.map((x) => x!.path), dest));
-  } catch (e0) {
-    const e = lost(s.rdma, e0);
-    const resumable = e instanceof RdmaError ? "; rerun with --resume to continue" : "";
-    p.fail(p.file || `${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + silentNote(e, opts) + resumable);
+    if (fromStdin) {
+      try {
+        // read the whole stream first: the connection is not held idle while a pipe fills
+        spooled = await spool(run.stdin!);
+      } catch (e) {
+        p.fail("-", codeOf(e), msgOf(e));
+        return;
+      }
+    }
+    try {
+      if (aborted()) throw new CopyError("ABORTED", "aborted");
+      s = await Session.open(remote, builder, opts, p, up || toStdout ? null : await directoryOf(dest), signal);
+      if (aborted()) throw new CopyError("ABORTED", "aborted");
+    } catch (e) {
+      p.fail(`${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + silentNote(e, opts));
+      return;
+    }
+    try {
+      if (fromStdin) await upload(s, await planStdin(s, spooled!.path, remote.path));
+      else if (up) await upload(s, await planUpload(s, [...srcs], remote.path));
+      else if (toStdout) await downloadTo(s, sr[0]!.path, run.stdout!);
+      else await download(s, await planDownload(s, sr.map((x) => x!.path), dest));
+    } catch (e0) {
+      const e = lost(s.rdma, e0);
+      const resumable = e instanceof RdmaError && !toStdout ? "; rerun with --resume to continue" : "";
+      p.fail(p.file || `${remote.host}:${remote.port}`, codeOf(e), msgOf(e) + silentNote(e, opts) + resumable);
+    } finally {
+      await s.close();
+    }
   } finally {
-    await s.close();
+    signal?.removeEventListener("abort", onAbort);
+    await spooled?.remove();
   }
-  p.summary();
-  return p.errors.length === 0 ? 0 : 1;
+}
+
+/** The upload of a spooled stream: one file, to the path `dest` names (not a directory: a stream has no name). */
+async function planStdin(s: Session, path: string, dest: string): Promise<Item[]> {
+  const d = await s.call("stat", { path: dest });
+  if (dest === "" || dest.endsWith("/") || String(d.type) === "dir") throw new CopyError("EISDIR", `${dest || "."}: is a directory; - (stdin) needs a file name as the destination`);
+  const st = await stat(path);
+  return [{ from: path, to: dest, entry: { path: "", type: "file", size: st.size, mode: st.mode & 0o7777, mtimeMs: st.mtimeMs } }];
+}
+
+/** One remote file written to `out` in order (stream.ts). */
+async function downloadTo(s: Session, src: string, out: Writable): Promise<void> {
+  const p = s.p;
+  const answer = await s.call("list", { path: src, follow: true });
+  const top = checkListing(answer.entries, MAX_ENTRIES)[0];
+  if (!top || top.type !== "file") throw new CopyError(top?.type === "dir" ? "EISDIR" : "EINVAL", `${src}: ${top?.type === "dir" ? "is a directory" : "is not a regular file"}; - (stdout) takes one file`);
+  const from = typeof answer.path === "string" ? checkRel(answer.path) : src;
+  p.file = from;
+  const o = await s.call("openRead", { path: from });
+  const id = Number(o.id);
+  let open = true;
+  try {
+    const size = Number(o.size);
+    p.total = size;
+    const sink = new StreamSink(out, size, s.chunk, s.opts.verify);
+    await s.pipeline(size, 0, async (k, slot) => {
+      const off = k * s.chunk;
+      const n = chunkLen(size, s.chunk, k);
+      try {
+        const r = await s.rpcCall("get", encodeGet(id, slot, off, n));
+        const crc = new DataView(r.buffer, r.byteOffset, r.byteLength).getUint32(0);
+        const at = slot * s.chunk;
+        await s.rdma.read(s.ring.slice(at, at + n), s.rmr.slice(at, at + n));
+        await sink.write(off, s.local.subarray(at, at + n), crc);
+      } catch (e) {
+        // the chunks after this one wait for it: they fail with it
+        sink.fail(e);
+        throw e;
+      }
+      p.add(n);
+    });
+    const c = await s.call("closeRead", { id });
+    open = false;
+    if (c.changed === true) throw new CopyError("SOURCE_CHANGED", "the source changed during the copy");
+    sink.finish(String(c.digest));
+    p.files++;
+    p.tick(true);
+  } finally {
+    if (open) await s.call("closeRead", { id }).catch(() => {});
+  }
 }

@@ -11,6 +11,9 @@ import { basename, dirname, join, posix } from "node:path";
 
 /** An error with a stable code (Node's fs codes, or ESCAPE, CHECKSUM, SOURCE_CHANGED, EROFS, PROTOCOL). */
 export class CopyError extends Error {
+  /** The library's copy(): every file that failed, when the copy failed (the first one's code is `code`). */
+  errors?: readonly { path: string; code: string; message: string }[];
+
   constructor(
     readonly code: string,
     message: string,

@@ -4,7 +4,36 @@
  * control codes), JSON lines with --json (stdout), and always a summary
  * unless -q.
  */
-export type OutputMode = "human" | "json" | "quiet";
+export type OutputMode = "human" | "json" | "quiet" | "none";
+
+/** Where a copy is: sent with every chunk or batch that completes (`"progress"` events of the library's copy()). */
+export interface CopyProgress {
+  /** Bytes copied so far (files skipped by --resume not counted). */
+  bytes: number;
+  /** Bytes found already in place (resume) and not copied. */
+  skipped: number;
+  /** Bytes of every file of the copy (known once the copy is planned; 0 before). */
+  total: number;
+  /** Files completed. */
+  files: number;
+  /** Seconds since the copy started. */
+  seconds: number;
+  /** The file being copied. */
+  file: string;
+}
+
+/** A file (or source) that could not be copied; the copy goes on with the others. */
+export interface CopyFileError {
+  path: string;
+  code: string;
+  message: string;
+}
+
+/** What a Progress tells a program (the library's copy()). */
+export interface ProgressListener {
+  progress(p: CopyProgress): void;
+  error(e: CopyFileError): void;
+}
 
 function mb(n: number): string {
   return (n / 1e6).toFixed(1);
@@ -31,13 +60,15 @@ export class Progress {
   private last = 0;
   private readonly tty: boolean;
   private drawn = false;
-  private stopAt: number;
+  /** Where --json lines and the summary go: stdout, unless stdout carries the data (`cp remote -`). */
+  out: { write(s: string): unknown } = process.stdout;
 
-  constructor(readonly mode: OutputMode) {
+  /** `mode` "none": nothing is written (the library); `listener` hears every step in any mode. */
+  constructor(
+    readonly mode: OutputMode,
+    private readonly listener: ProgressListener | null = null,
+  ) {
     this.tty = process.stderr.isTTY === true;
-    // Test seam: stop this process (SIGSTOP) once this many bytes are copied, after saying so on stdout,
-    // so a test can kill a peer mid-copy at a known point instead of racing the copy.
-    this.stopAt = Number(process.env.ASYNC_RDMA_CP_STOP_AFTER ?? Infinity);
   }
 
   get seconds(): number {
@@ -46,17 +77,19 @@ export class Progress {
 
   add(n: number): void {
     this.done += n;
-    if (this.done >= this.stopAt) {
-      process.stdout.write(JSON.stringify({ type: "stopped", bytes: this.done }) + "\n");
-      this.stopAt = Infinity;
-      process.kill(process.pid, "SIGSTOP");
-    }
+    if (this.listener !== null) this.listener.progress(this.snapshot());
     this.tick();
+  }
+
+  snapshot(): CopyProgress {
+    return { bytes: this.done, skipped: this.skipped, total: this.total, files: this.files, seconds: this.seconds, file: this.file };
   }
 
   fail(path: string, code: string, message: string): void {
     this.errors.push({ path, code, message });
-    if (this.mode === "json") process.stdout.write(JSON.stringify({ type: "error", path, code, message }) + "\n");
+    if (this.listener !== null) this.listener.error({ path, code, message });
+    if (this.mode === "none") return;
+    if (this.mode === "json") this.out.write(JSON.stringify({ type: "error", path, code, message }) + "\n");
     else {
       this.clear();
       process.stderr.write(`async-rdma cp: ${path}: ${message} (${code})\n`);
@@ -64,7 +97,7 @@ export class Progress {
   }
 
   note(text: string): void {
-    if (this.mode === "json") process.stdout.write(JSON.stringify({ type: "note", message: text }) + "\n");
+    if (this.mode === "json") this.out.write(JSON.stringify({ type: "note", message: text }) + "\n");
     else if (this.mode === "human") {
       this.clear();
       process.stderr.write(`async-rdma cp: ${text}\n`);
@@ -79,14 +112,14 @@ export class Progress {
   tick(force = false): void {
     const now = performance.now();
     const every = this.mode === "json" ? 500 : this.tty ? 200 : 5000;
-    if (this.mode === "quiet" || (!force && now - this.last < every)) return;
+    if (this.mode === "quiet" || this.mode === "none" || (!force && now - this.last < every)) return;
     this.last = now;
     const s = this.seconds;
     const rate = s > 0 ? this.done / s : 0;
     const left = this.total - this.skipped - this.done;
     const eta = rate > 0 ? Math.max(0, left / rate) : null;
     if (this.mode === "json") {
-      process.stdout.write(JSON.stringify({ type: "progress", bytes: this.done, skipped: this.skipped, total: this.total, seconds: +s.toFixed(3), rate: Math.round(rate), eta: eta === null ? null : +eta.toFixed(1), file: this.file }) + "\n");
+      this.out.write(JSON.stringify({ type: "progress", bytes: this.done, skipped: this.skipped, total: this.total, seconds: +s.toFixed(3), rate: Math.round(rate), eta: eta === null ? null : +eta.toFixed(1), file: this.file }) + "\n");
       return;
     }
     const pct = this.total > 0 ? Math.floor(((this.done + this.skipped) * 100) / this.total) : 100;
@@ -97,18 +130,26 @@ export class Progress {
     } else process.stderr.write(line + "\n");
   }
 
+  /** The --json result line (and the library's result). */
+  result(): { type: "result"; ok: boolean; files: number; filesSkipped: number; bytes: number; skipped: number; seconds: number; mbps: number; errors: number; calls: number } {
+    const s = this.seconds;
+    const rate = s > 0 ? this.done / s / 1e6 : 0;
+    return { type: "result", ok: this.errors.length === 0, files: this.files, filesSkipped: this.filesSkipped, bytes: this.done, skipped: this.skipped, seconds: +s.toFixed(3), mbps: +rate.toFixed(1), errors: this.errors.length, calls: this.calls };
+  }
+
   summary(): void {
     const s = this.seconds;
     const rate = s > 0 ? this.done / s / 1e6 : 0;
-    const r = { type: "result", ok: this.errors.length === 0, files: this.files, filesSkipped: this.filesSkipped, bytes: this.done, skipped: this.skipped, seconds: +s.toFixed(3), mbps: +rate.toFixed(1), errors: this.errors.length, calls: this.calls };
+    const r = this.result();
+    if (this.mode === "none") return;
     if (this.mode === "json") {
-      process.stdout.write(JSON.stringify(r) + "\n");
+      this.out.write(JSON.stringify(r) + "\n");
       return;
     }
     this.clear();
     if (this.mode === "quiet") return;
     const skip = this.skipped > 0 || this.filesSkipped > 0 ? `, skipped ${bytesText(this.skipped)} already there (${this.filesSkipped} whole files)` : "";
     const err = this.errors.length > 0 ? `, ${this.errors.length} failed` : "";
-    process.stdout.write(`${this.files} files, ${bytesText(this.done)} in ${s.toFixed(2)} s, ${rate.toFixed(1)} MB/s${skip}${err}\n`);
+    this.out.write(`${this.files} files, ${bytesText(this.done)} in ${s.toFixed(2)} s, ${rate.toFixed(1)} MB/s${skip}${err}\n`);
   }
 }
