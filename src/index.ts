@@ -6,7 +6,7 @@
  * const rdma = await new RdmaBuilder().connect("127.0.0.1:5555");
  */
 export { RdmaBuilder, type ResolvedSettings } from "./api/builder.js";
-export { Rdma, type OpOptions, type SendData, type RdmaStats, type CloseOptions, type MessagesOptions, type ConnectionOpenMessage, type ConnectionEndMessage, type OperationMessage } from "./api/rdma.js";
+export { Rdma, type OpOptions, type SendData, type RdmaStats, type AgentStats, type CloseOptions, type MessagesOptions, type ConnectionOpenMessage, type ConnectionEndMessage, type OperationMessage } from "./api/rdma.js";
 export { CHANNELS, type OperationName } from "./api/observe.js";
 export type { AuthOptions, AuthKey, AuthKeyLookup, PeerInfo } from "./api/establish/auth.js";
 export { RdmaListener, type ListenerStats } from "./api/listener.js";

@@ -5,6 +5,7 @@
 import type { PollingMode } from "./poller.js";
 import type { Share } from "./shares.js";
 
+/** @internal */
 export interface ConnectionOptions {
   /** Receive buffers posted for the peer's messages. */
   recvDepth: number;
@@ -49,6 +50,7 @@ export interface ConnectionOptions {
   shares?: { find(key: string): Share | undefined; peer(): unknown };
 }
 
+/** @internal */
 export interface PeerParams {
   recvDepth: number;
   eagerMax: number;

@@ -21,6 +21,16 @@ function envProvider(): ProviderChoice {
 }
 
 /** Defaults; ASYNC_RDMA_PROVIDER and ASYNC_RDMA_DEVICE set the provider and device for programs that do not. */
+/**
+ * The default eager threshold: 4 KiB of payload plus 64 bytes for a
+ * protocol's own framing, so a 4 KiB message of a protocol on top (an RPC
+ * call: 12 bytes of frame header and the method name) still travels in one
+ * SEND instead of a rendezvous round trip. Receive buffers are allocated in
+ * size classes (memory/pool.ts), so on verbs the 64 bytes cost nothing, and
+ * on tcp 2 KiB per connection.
+ */
+export const DEFAULT_EAGER_THRESHOLD = 4096 + 64;
+
 const DEFAULTS: ResolvedSettings = {
   provider: envProvider(),
   device: process.env.ASYNC_RDMA_DEVICE || undefined,
@@ -39,7 +49,7 @@ const DEFAULTS: ResolvedSettings = {
   qpAccess: Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC,
   polling: "adaptive",
   spinUs: 50,
-  eagerMax: 4096,
+  eagerMax: DEFAULT_EAGER_THRESHOLD,
   recvDepth: 32,
   quotaBytes: 64 * 1024 * 1024,
   maxRegions: 256,
@@ -156,7 +166,12 @@ export class RdmaBuilder {
     if (spinUs !== undefined) this.s.spinUs = checkInt("spinUs", spinUs, 0, 1_000_000);
     return this;
   }
-  /** Messages up to this size are sent eagerly; larger ones by rendezvous (RDMA READ). */
+  /**
+   * Messages up to this size are sent eagerly (one SEND into a receive
+   * buffer the peer posted); larger ones by rendezvous (the peer READs
+   * them). Default 4,160 bytes: 4 KiB of payload and 64 of framing, so 4 KiB
+   * RPC calls stay eager (the RPC layer batches up to the peer's threshold).
+   */
   setEagerThreshold(bytes: number): this {
     this.s.eagerMax = checkInt("eagerThreshold", bytes, 0, 1 << 20);
     return this;

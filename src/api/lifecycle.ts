@@ -41,6 +41,7 @@ export interface CloseOptions {
 /** Default of `close({ flush: true })`'s timeoutMs (docs/limits.md). */
 export const FLUSH_TIMEOUT_MS = 30_000;
 
+/** @internal */
 /** The validated options of close(). */
 export function closeOptions(o: unknown, defaultTimeoutMs: number): { flush: boolean; timeoutMs: number } {
   if (o === undefined) return { flush: false, timeoutMs: defaultTimeoutMs };
@@ -52,11 +53,13 @@ export function closeOptions(o: unknown, defaultTimeoutMs: number): { flush: boo
   return { flush: f, timeoutMs: t };
 }
 
+/** @internal */
 /** Whether `e`, a receive's rejection, is the connection's clean end (not a failure, not an abort). */
 export function isCleanEnd(conn: Connection, e: unknown): boolean {
   return conn.endedCleanly && e instanceof RdmaError && (e === conn.failure || e.cause === conn.failure);
 }
 
+/** @internal */
 /**
  * The messages of `conn` in arrival order, ending after the last one when
  * the connection ends cleanly; a failure (or an abort) is thrown.
@@ -74,6 +77,7 @@ export async function* messagesOf(conn: Connection, signal: AbortSignal | undefi
   }
 }
 
+/** @internal */
 /**
  * A promise of the connection's end, and how to settle it once. It resolves
  * (undefined) on a clean end and rejects with the typed failure otherwise;

@@ -105,7 +105,27 @@ export function signalOf(o: OpOptions | undefined | null, what = "operation"): A
 }
 
 /** Internal counters (tests and diagnostics; not part of the documented API). */
-type InternalStats = ReturnType<Connection["stats"]> & { pool: PoolStats };
+/**
+ * The agent's own counters, beside {@link RdmaStats} in `rdma.stats()`: for
+ * diagnosing a connection (credits, send-queue use, grants and lends held,
+ * the memory pool); names may change between minor versions.
+ */
+export interface AgentStats {
+  credits: number;
+  sqOutstanding: number;
+  grants: number;
+  quotaUsed: number;
+  lends: number;
+  unclaimedLocal: number;
+  unclaimedRemote: number;
+  unread: number;
+  rendezvousOut: number;
+  sharesOpenedByPeer: number;
+  sharesOpened: number;
+  recycledReceives: number;
+  creditMessages: number;
+  pool: PoolStats;
+}
 
 /** Bytes an operation on `data` moves (tracing only). */
 function sizeOf(data: unknown): number {
@@ -448,6 +468,16 @@ export class Rdma {
     return this.conn.peerLimits;
   }
 
+  /**
+   * The peer's eager threshold (from the handshake): a message up to this
+   * many bytes reaches it in one SEND; a larger one goes by rendezvous (the
+   * peer READs it, one more round trip). Protocols on top size their
+   * batches by it (async-rdma/rpc does).
+   */
+  get peerEagerThreshold(): number {
+    return this.conn.peer.eagerMax;
+  }
+
   /** Memory the peer lent with sendLocalMr. */
   receiveRemoteMr(opts?: OpOptions): Promise<RemoteMr> {
     return guard(() => this.conn.receiveRemoteMr(signalOf(opts)));
@@ -481,7 +511,7 @@ export class Rdma {
    * @example
    * const { messagesSent, bytesSent, creditStalls } = rdma.stats();
    */
-  stats(): RdmaStats & InternalStats {
+  stats(): RdmaStats & AgentStats {
     const c = this.conn;
     const t = c.traffic;
     const internal = c.stats();

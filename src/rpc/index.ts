@@ -44,10 +44,16 @@ const OK = 2;
 const ERROR = 3;
 const CANCEL = 4;
 const HDR = 12;
-/** Frames are gathered into one message up to this size (or the peer's maxMessageSize, if smaller); a larger frame travels alone. */
-const BATCH_BYTES = 4096;
+/**
+ * Frames are gathered into one message up to the peer's eager threshold
+ * (rdma.peerEagerThreshold: the batch is one SEND, never a rendezvous) or its
+ * maxMessageSize if smaller; a larger frame travels alone. The connection's
+ * default eager threshold leaves 64 bytes beyond 4 KiB for this framing, so
+ * a 4 KiB call is one eager message.
+ */
+const MIN_BATCH_BYTES = 256;
 const MAX_METHOD = 1024;
-/** Batch buffers kept for reuse per connection (each BATCH_BYTES, registered). */
+/** Batch buffers kept for reuse per connection (each one batch, registered). */
 const SPARE_BUFFERS = 8;
 /** Default of `RpcServerOptions.maxInFlight`. */
 const DEFAULT_MAX_IN_FLIGHT = 128;
@@ -264,7 +270,7 @@ class Outbox {
     /** The peer's maxMessageSize: a batch never exceeds it (a single larger frame is the owner's to refuse). */
     peerMax: number,
   ) {
-    this.batchMax = Math.min(BATCH_BYTES, peerMax);
+    this.batchMax = Math.min(peerMax, Math.max(MIN_BATCH_BYTES, rdma.peerEagerThreshold));
   }
 
   push(frame: Uint8Array): void {
@@ -301,8 +307,8 @@ class Outbox {
       if (this.failure) return this.settled(count, n);
       let buf: LocalMr | undefined;
       try {
-        buf = n <= BATCH_BYTES ? this.spare.pop() : undefined;
-        buf ??= this.rdma.allocLocalMr(Math.max(n, BATCH_BYTES));
+        buf = n <= this.batchMax ? this.spare.pop() : undefined;
+        buf ??= this.rdma.allocLocalMr(Math.max(n, this.batchMax));
       } catch (e) {
         this.settled(count, n);
         // A closing connection: its receive loop ends every call with CONNECTION_CLOSED.
@@ -323,7 +329,7 @@ class Outbox {
       }
       this.rdma.send(o === whole.length ? whole : whole.slice(0, o)).then(
         () => {
-          if (whole.length === BATCH_BYTES && !this.failure && this.spare.length < SPARE_BUFFERS) this.spare.push(whole);
+          if (whole.length === this.batchMax && !this.failure && this.spare.length < SPARE_BUFFERS) this.spare.push(whole);
           else whole[Symbol.dispose]();
           this.settled(count, n);
         },

@@ -118,7 +118,8 @@ describe("package tarball", { timeout: 120_000 }, () => {
     );
     assert.deepEqual(stray, [], "files outside the whitelist");
     assert.deepEqual(paths.filter((p) => /\.test\.|^dist\/test\/|\.map$|^src\/|^test\/|^bench\/|^\.ci\/|softroce/.test(p)), []);
-    assert.ok(packed.entryCount < 200, `${packed.entryCount} files`);
+    // The compiled sources (one file per invariant: .js + .d.ts each) and the user docs; a bound, so a stray folder shows.
+    assert.ok(packed.entryCount < 300, `${packed.entryCount} files`);
     assert.ok(packed.unpackedSize < 1_500_000, `${packed.unpackedSize} bytes unpacked`);
   });
 

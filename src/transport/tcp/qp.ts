@@ -25,7 +25,7 @@ import type { TcpCq } from "./cq.js";
 import { DEFAULT_LIVENESS_MS } from "./liveness.js";
 import type { TcpMw } from "./memory.js";
 import { PSN_MASK, type QpCore, type QpCounters, type QpPd, type Side, type TcpQpStats } from "./qp-core.js";
-import { ReadPort, dial } from "./read-path.js";
+import { ReadPort, dialData } from "./read-path.js";
 import { Requester } from "./requester.js";
 import { Responder } from "./responder.js";
 
@@ -146,7 +146,7 @@ export class TcpQueuePair implements QueuePair, QpCore {
     this.state = QpState.RTS;
 
     const port = new ReadPort();
-    const sock = dial(remote.gid, remote.port, port);
+    const sock = dialData(remote.gid, remote.port, port);
     // Like an idle verbs QP, the streams do not keep the process alive; an armed CQ with a handler does.
     sock.unref();
     this.req.attach(sock, port, `${remote.gid}:${remote.port}`);

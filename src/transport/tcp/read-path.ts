@@ -52,7 +52,7 @@ function onreadOf(port: ReadPort): { buffer: Buffer; callback: (n: number, buf: 
 }
 
 /** Dials `host:port`; its bytes go to `into`. */
-export function dial(host: string, port: number, into: ReadPort): net.Socket {
+export function dialData(host: string, port: number, into: ReadPort): net.Socket {
   return net.connect({ host, port, noDelay: true, onread: onreadOf(into) });
 }
 
