@@ -120,7 +120,8 @@ describe("package tarball", { timeout: 120_000 }, () => {
     assert.deepEqual(paths.filter((p) => /\.test\.|^dist\/test\/|\.map$|^src\/|^test\/|^bench\/|^\.ci\/|softroce/.test(p)), []);
     // The compiled sources (one file per invariant: .js + .d.ts each) and the user docs; a bound, so a stray folder shows.
     assert.ok(packed.entryCount < 300, `${packed.entryCount} files`);
-    assert.ok(packed.unpackedSize < 1_500_000, `${packed.unpackedSize} bytes unpacked`);
+    // With the user docs and the prebuilt addons: 1.51 MB at the merge of issue 22.
+    assert.ok(packed.unpackedSize < 2_000_000, `${packed.unpackedSize} bytes unpacked`);
   });
 
   it("package.json has the fields users expect", () => {

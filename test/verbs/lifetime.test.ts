@@ -329,7 +329,8 @@ describe(`garbage arguments: typed RdmaError, never a crash [${PROVIDER}]`, () =
         typed(() => pd.registerMr(ab, Access.LOCAL_WRITE, o as number, l as number), undefined, `registerMr(ab, ${String(o)}, ${String(l)})`);
       }
       typed(() => pd.registerMr(new Uint8Array(8) as unknown as ArrayBuffer, Access.LOCAL_WRITE), undefined, "registerMr(Uint8Array)");
-      typed(() => pd.registerMr(new SharedArrayBuffer(8) as unknown as ArrayBuffer, Access.LOCAL_WRITE), undefined, "registerMr(SharedArrayBuffer)");
+      // A SharedArrayBuffer registers (issue 22 point 3); a growable one cannot (it could grow past the registration).
+      typed(() => pd.registerMr(new (SharedArrayBuffer as unknown as new (n: number, o: { maxByteLength: number }) => SharedArrayBuffer)(8, { maxByteLength: 16 }), Access.LOCAL_WRITE), undefined, "registerMr(growable SharedArrayBuffer)");
       const detached = new ArrayBuffer(8);
       structuredClone(detached, { transfer: [detached] });
       typed(() => pd.registerMr(detached, Access.LOCAL_WRITE), undefined, "registerMr(detached)");
