@@ -260,10 +260,13 @@ export class Poller {
     let budget = POLL_BUDGET;
     let n: number;
     const b = this.cbuf;
-    while (budget > 0 && (n = this.cq.poll(b, Math.min(b.capacity, budget))) > 0) {
+    // A completion may end the connection (its teardown stops this poller and destroys the
+    // CQ): nothing is polled or armed after that.
+    while (budget > 0 && !this.stopped && (n = this.cq.poll(b, Math.min(b.capacity, budget))) > 0) {
       budget -= n;
-      for (let i = 0; i < n; i++) this.onCompletion(b, i);
+      for (let i = 0; i < n && !this.stopped; i++) this.onCompletion(b, i);
     }
+    if (this.stopped) return;
     if (budget === 0) return this.schedule();
     // Kept waiting for a core while spinning: another process needs it; sleep on events for a while.
     const now = performance.now();
@@ -283,7 +286,7 @@ export class Poller {
     }
     // Arm, then poll once more: a completion between the last poll and the arm raises no event.
     this.cq.requestNotify();
-    while ((n = this.cq.poll(b)) > 0) for (let i = 0; i < n; i++) this.onCompletion(b, i);
+    while (!this.stopped && (n = this.cq.poll(b)) > 0) for (let i = 0; i < n && !this.stopped; i++) this.onCompletion(b, i);
   }
 
   private schedule(): void {

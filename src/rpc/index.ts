@@ -46,12 +46,18 @@ const CANCEL = 4;
 const HDR = 12;
 /**
  * Frames are gathered into one message up to the peer's eager threshold
- * (rdma.peerEagerThreshold: the batch is one SEND, never a rendezvous) or its
- * maxMessageSize if smaller; a larger frame travels alone. The connection's
- * default eager threshold leaves 64 bytes beyond 4 KiB for this framing, so
- * a 4 KiB call is one eager message.
+ * (rdma.peerEagerThreshold: the batch is one SEND, never a rendezvous), its
+ * maxMessageSize, or 4 KiB, whichever is least; a larger frame travels alone.
+ * The connection's default eager threshold leaves 64 bytes beyond 4 KiB for
+ * this framing, so a 4 KiB call alone is still one eager message.
  */
 const MIN_BATCH_BYTES = 256;
+/**
+ * And at most this: a batch buffer is registered memory held until its send
+ * completes, so its size must not follow a peer's advertised threshold (up
+ * to 1 MiB) — 128 small replies the peer never takes would pin 128 buffers.
+ */
+const MAX_BATCH_BYTES = 4096;
 const MAX_METHOD = 1024;
 /** Batch buffers kept for reuse per connection (each one batch, registered). */
 const SPARE_BUFFERS = 8;
@@ -270,7 +276,7 @@ class Outbox {
     /** The peer's maxMessageSize: a batch never exceeds it (a single larger frame is the owner's to refuse). */
     peerMax: number,
   ) {
-    this.batchMax = Math.min(peerMax, Math.max(MIN_BATCH_BYTES, rdma.peerEagerThreshold));
+    this.batchMax = Math.min(peerMax, MAX_BATCH_BYTES, Math.max(MIN_BATCH_BYTES, rdma.peerEagerThreshold));
   }
 
   push(frame: Uint8Array): void {

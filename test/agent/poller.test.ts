@@ -142,3 +142,45 @@ describe("polling under CPU contention", () => {
     });
   }
 });
+
+describe("a completion that ends the connection", () => {
+  it("stops the drain: the destroyed CQ is neither polled nor armed again (no uncaught error)", () => {
+    // A CQ with three completions; the first one's handler tears the connection down
+    // (stop + destroy), after which polling or arming the CQ throws, as both providers do.
+    let destroyed = false;
+    let handled = 0;
+    let pending = 3;
+    const cq = {
+      device: {} as Device,
+      depth: 16,
+      poll(b: CompletionBuffer, max?: number) {
+        if (destroyed) throw new Error("poll on a destroyed CQ");
+        const n = Math.min(pending, max ?? b.capacity);
+        for (let i = 0; i < n; i++) b.wrId[i] = i;
+        pending -= n;
+        return n;
+      },
+      requestNotify() {
+        if (destroyed) throw new Error("requestNotify on a destroyed CQ");
+      },
+      onNotify: null,
+      destroy() {
+        destroyed = true;
+      },
+    } as unknown as CompletionQueue;
+    let p: Poller | null = null;
+    p = new Poller(
+      cq,
+      "adaptive",
+      50,
+      () => {
+        handled++;
+        p!.stop();
+        cq.destroy();
+      },
+      () => {},
+    );
+    assert.doesNotThrow(() => p!.pollNow());
+    assert.equal(handled, 1, "no completion is handled after the teardown");
+  });
+});

@@ -188,6 +188,30 @@ describe(`rpc bounds [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
     assert.ok(after < 16, `memory after the connection ended: ${after.toFixed(1)} MiB over the start`);
   });
 
+  it("a peer's large eager threshold does not size the server's reply buffers: small replies the client never takes hold 4 KiB batches, not 1 MiB ones", async () => {
+    // The client advertises the largest eager threshold (1 MiB) and never reads; each call is
+    // its own message and each reply is sent in its own turn, so each is a batch of its own.
+    const p = await apiPair({ client: (b) => b.setEagerThreshold(MiB) });
+    const server = new RpcServer({ small: async () => (await new Promise((r) => setImmediate(r)), new Uint8Array(8)) }, { replyTimeoutMs: 0 });
+    const served = server.serve(p.server);
+    const CALLS = 120;
+    const sends: Promise<unknown>[] = [];
+    try {
+      const base = p.server.stats().memory.poolBytes;
+      for (let i = 0; i < CALLS; i++) sends.push(sendRaw(p.client, callFrames("small", 1 + i, 1)).catch((e: unknown) => e));
+      // Past what the client's receive buffers take, replies wait in the server's send queue
+      // for credits the client never returns, each holding its batch buffer.
+      await eventually(() => server.stats().unsentReplies >= 40, WAIT_MS, "replies waiting for the client");
+      const held = p.server.stats().memory.poolBytes - base;
+      assert.ok(held < 4 * MiB, `the server's pool grew by ${(held / MiB).toFixed(1)} MiB for ${server.stats().unsentReplies} unsent 8-byte replies`);
+    } finally {
+      await p.client.close();
+    }
+    await served;
+    await p.close();
+    await Promise.all(sends);
+  });
+
   it("issue 19 point 7: a client that takes none of its waiting replies within replyTimeoutMs loses its connection (serve() rejects TIMEOUT); everything is freed", async () => {
     const p = await apiPair();
     const server = new RpcServer({ big: () => new Uint8Array(64 * 1024) }, { maxInFlight: 8, maxQueuedBytes: 256 * 1024, replyTimeoutMs: 300 });
