@@ -33,11 +33,17 @@ import type { PeerInfo } from "./establish/auth.js";
 export interface StreamConnection {
   readonly isClosed: boolean;
   readonly peer: PeerInfo;
+  /** Registered memory a stream message is built in. */
   allocLocalMr(size: number): LocalMr;
+  /** Sends one stream message. */
   send(data: LocalMr): Promise<void>;
+  /** The next stream message. */
   receive(opts: { signal: AbortSignal }): Promise<LocalMr>;
+  /** Closes the connection when the stream ends (unless `closeConnection: false`). */
   close(): Promise<void>;
+  /** The connection keeps the process alive (stream.ref()). */
   ref(): unknown;
+  /** The connection lets the process exit (stream.unref()). */
   unref(): unknown;
 }
 
@@ -152,6 +158,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
 
   // ---- readable side
 
+  /** Duplex: the reader wants more (the stream returns window to the peer as it is read). */
   override _read(): void {
     this.withConn(() => this.grant());
   }
@@ -302,17 +309,20 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     }
   }
 
+  /** Duplex: one chunk to send. */
   override _write(chunk: Buffer, _enc: BufferEncoding, cb: (e?: Error | null) => void): void {
     if (chunk.length === 0) return cb();
     this.sendData(chunk, cb);
   }
 
+  /** Duplex: chunks written meanwhile, gathered into one message. */
   override _writev(chunks: { chunk: Buffer }[], cb: (e?: Error | null) => void): void {
     const data = chunks.length === 1 ? chunks[0]!.chunk : Buffer.concat(chunks.map((c) => c.chunk));
     if (data.length === 0) return cb();
     this.sendData(data, cb);
   }
 
+  /** Duplex: `end()` — the end of this side's bytes goes to the peer (half-close). */
   override _final(cb: (e?: Error | null) => void): void {
     this.withConn((rdma) => {
       const fin = (): void => {
@@ -330,6 +340,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     });
   }
 
+  /** Duplex: `destroy()` — stops at once and closes the connection (unless `closeConnection: false`). */
   override _destroy(err: Error | null, cb: (e?: Error | null) => void): void {
     this.clearTimer();
     const rdma = this.rdma;
@@ -404,7 +415,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     return this;
   }
 
-  /** See {@link RdmaStream.ref}. */
+  /** Lets the process exit while this stream is open and idle (undoes `ref()`; see it). */
   unref(): this {
     this.refed = false;
     this.applyRef();

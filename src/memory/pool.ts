@@ -80,6 +80,7 @@ interface PooledAllocation extends Allocation {
   kept: KeptMemory | null;
 }
 
+/** A connection family's memory pool: registrations made, slabs, and what is allocated now. */
 export interface PoolStats {
   registrations: number;
   slabs: number;

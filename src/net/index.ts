@@ -19,6 +19,7 @@ import type { PollingMode } from "../agent/poller.js";
 
 /** A stream over an RDMA connection: what `connect` returns and a server hands out. */
 export type RdmaStream = Stream<Rdma>;
+/** The stream class (a `stream.Duplex`): what `connect` returns and a server hands out. */
 export const RdmaStream = Stream;
 
 /**
@@ -149,6 +150,7 @@ export class Server extends EventEmitter {
   /** Accepted for `net.Server` compatibility (not enforced: see the builder's setMaxConnections). */
   maxConnections: number | undefined = undefined;
 
+  /** A server with `opts` (see RdmaNetOptions); `connectionListener` is added for 'connection'. */
   constructor(opts: RdmaNetOptions = {}, connectionListener?: (socket: RdmaStream) => void) {
     super();
     this.opts = opts;

@@ -124,7 +124,9 @@ export function isRpcError<D = unknown>(e: unknown, code?: string): e is RpcErro
  * `decode` rejects that call with an RpcError "BAD_REPLY".
  */
 export interface RpcCodec<T = unknown> {
+  /** The payload's bytes on the wire; a throw fails the call (client: INVALID_ARGUMENT, nothing sent). */
   encode(value: T): Uint8Array;
+  /** The value of received bytes; a throw fails that call only (server: BAD_REQUEST, client: BAD_REPLY). */
   decode(bytes: Uint8Array): T;
 }
 

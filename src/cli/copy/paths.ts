@@ -14,6 +14,7 @@ export class CopyError extends Error {
   /** The library's copy(): every file that failed, when the copy failed (the first one's code is `code`). */
   errors?: readonly { path: string; code: string; message: string }[];
 
+  /** An error of `code` (see the class) with its message. */
   constructor(
     readonly code: string,
     message: string,
