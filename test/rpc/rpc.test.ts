@@ -185,11 +185,13 @@ describe(`rpc [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
   it("a peer that breaks the framing gets its connection closed (PROTOCOL), not a crash", async () => {
     const p = await apiPair();
     const server = new RpcServer({ ok: () => new Uint8Array([1]) });
-    const served = server.serve(p.server);
+    // The rejection is watched before anything is sent: the server may end serve() before the
+    // client's send completes (a slow completion in the guest), and an unwatched rejection fails the test.
+    const served = assert.rejects(server.serve(p.server), rdmaCode("PROTOCOL"));
     using junk = p.client.allocLocalMr(20);
     junk.bytes.set([0x52, 9, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]);
-    await p.client.send(junk);
-    await assert.rejects(served, rdmaCode("PROTOCOL"));
+    await p.client.send(junk).catch(() => {});
+    await served;
     await eventually(() => p.server.isClosed, 30_000 * SLOW, "the server to close the connection");
     await p.close();
   });
