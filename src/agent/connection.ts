@@ -161,7 +161,7 @@ export class Connection implements MemoryHost {
     );
     this.live = new Liveness(
       {
-        isDown: () => this.failure !== null || this.closing,
+        isDown: () => this.failure !== null,
         outstanding: () => this.lanes.outstanding,
         ping: () => this.sendCtrl({ type: MsgType.PING, token: 0 }),
         expire: (err) => this.fail(err),
@@ -297,8 +297,6 @@ export class Connection implements MemoryHost {
     const len = lmr.length;
     if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
     if (len > 2 ** 32 - 1) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message is longer than the protocol carries (2^32 - 1)`);
-    this.traffic.messagesSent++;
-    this.traffic.bytesSent += len;
     if (len <= this.peer.eagerMax) {
       const op = newOp("msg");
       const hdr = this.headers.take();
@@ -313,10 +311,19 @@ export class Connection implements MemoryHost {
       // Small messages go inline: the HCA takes the bytes from the WQE, no DMA read of the buffers.
       const flags = HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0;
       this.lanes.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags, sgList: sgl }, op, credit: 2, hdr });
+      this.countSent(len);
       return p;
     }
+    const p = this.rndv.send(lmr, imm, this.peer.eagerMax, signal);
+    this.countSent(len);
     this.traffic.rendezvousSent++;
-    return this.rndv.send(lmr, imm, this.peer.eagerMax, signal);
+    return p;
+  }
+
+  /** A message accepted for sending (counted once nothing before it can throw). */
+  private countSent(len: number): void {
+    this.traffic.messagesSent++;
+    this.traffic.bytesSent += len;
   }
 
   /**
@@ -768,18 +775,22 @@ export class Connection implements MemoryHost {
   /**
    * Graceful close: tells the peer (its pending receives reject with
    * CONNECTION_CLOSED), waits for that message to leave, then tears down.
-   * `flush`: the peer receives everything sent before; otherwise resolves
-   * with what ended the connection first, or null when `timeoutMs` ran out
-   * (the rest was dropped).
+   * `flush`: the peer receives everything sent before. Resolves null when
+   * the close did what was asked, else with the error that says why not
+   * (TIMEOUT: `timeoutMs` ran out and the rest was dropped; or what ended
+   * the connection meanwhile); that error is also `closeFailure`, and the
+   * connection did not end cleanly.
    */
-  async close(timeoutMs: number, flush = false): Promise<true | RdmaError | null> {
+  async close(timeoutMs: number, flush = false): Promise<RdmaError | null> {
     // Closing this side drops what the peer sent and nobody read.
     if (this.failure) this.inbox.dropUnread(this.closed);
     if (this.closing || this.failure) {
       if (this.failure && !this.closed) await this.waitClosed(timeoutMs);
       // Already ended: what did not reach the peer was reported on its own operation.
-      return true;
+      return null;
     }
+    // While a flush waits the connection stays live: liveness runs, rendezvous cancels reach
+    // the peer; only new operations are refused (checkOpen).
     this.closing = true;
     let timer: NodeJS.Timeout | null = null;
     const expired = new Promise<false>((r) => (timer = setTimeout(() => r(false), timeoutMs)));
@@ -787,18 +798,28 @@ export class Connection implements MemoryHost {
     // goes in the data lane behind every queued send and write, so its completion means the
     // peer has received all of them.
     let flushed = !flush || this.rndv.outstanding === 0 || (await Promise.race([this.rndv.settled(), expired]));
-    const op = newOp("msg");
-    const sent = this.ops.track<void>(op, undefined);
-    this.sendCtrl({ type: MsgType.CLOSE }, op, 1, flush);
-    flushed = (await Promise.race([sent.then(() => true, () => false), expired])) && flushed;
+    if (this.failure === null) {
+      const op = newOp("msg");
+      const sent = this.ops.track<void>(op, undefined);
+      this.sendCtrl({ type: MsgType.CLOSE }, op, 1, flush);
+      flushed = (await Promise.race([sent.then(() => true, () => false), expired])) && flushed;
+    } else flushed = false;
     if (timer) clearTimeout(timer);
-    // What ended a flush that did not finish: a failure (or the peer's close) meanwhile, else the timeout (null).
-    const cause = this.failure;
-    if (!this.failure) this.endedCleanly = true;
+    if (flush && !flushed) {
+      // What ended a flush that did not finish: a failure (or the peer's close) meanwhile, else the timeout.
+      const cause = this.failure as RdmaError | null; // set meanwhile, across the awaits
+      this.closeFailure = cause
+        ? new RdmaError(cause.code, `close: the connection ended before the peer took everything sent: ${cause.message}`, { cause })
+        : new RdmaError("TIMEOUT", `close: the peer did not take everything sent within ${timeoutMs} ms (timeoutMs); the connection is closed and the rest was dropped`);
+      this.endedCleanly = false; // even if the peer's CLOSE came meanwhile: something sent was lost
+    } else if (!this.failure) this.endedCleanly = true;
     this.fail(new RdmaError("CONNECTION_CLOSED", "the connection was closed by this side"));
     await this.waitClosed(timeoutMs);
-    return flushed || !flush ? true : cause;
+    return this.closeFailure;
   }
+
+  /** Why this side's flushing close did not flush (the connection did not end cleanly); null otherwise. */
+  closeFailure: RdmaError | null = null;
 
   private waitClosed(timeoutMs: number): Promise<void> {
     if (this.closed) return Promise.resolve();

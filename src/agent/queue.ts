@@ -63,7 +63,12 @@ export function abortableWait<T>(start: (s: Settle<T>) => void, opts: WaitOption
     if (timeoutMs !== undefined) {
       timer = setTimeout(() => (onTimeout ? onTimeout(s) : s.reject(new RdmaError("TIMEOUT", `${opts.what ?? "the wait"} did not finish within ${timeoutMs} ms`))), timeoutMs);
     }
-    start(s);
+    // A start that throws ends the wait like any other end: timer, listener and cleanup go with it.
+    try {
+      start(s);
+    } catch (e) {
+      s.reject(e);
+    }
   });
 }
 

@@ -185,7 +185,9 @@ export class Rendezvous {
     r.cancelReason = reason;
     if (r.timer) clearTimeout(r.timer);
     r.timer = null;
-    if (this.host.isDown()) return; // fail() settles it
+    // Only a failure stops the cancel (fail() settles the message); a flushing close is still
+    // live and the peer must learn that it may drop the message.
+    if (this.host.failed()) return;
     this.host.sendCtrl({ type: MsgType.RNDV_CANCEL, token });
     // The answer (RNDV_DONE) must come within the peer timeout; the liveness check enforces
     // that while the cancel is unanswered.

@@ -226,11 +226,14 @@ export class SendLanes {
     for (const q of dataOnly ? [this.dataQ] : [this.creditQ, this.rdQ, this.ctrlQ, this.dataQ]) {
       for (let i = q.length - 1; i >= 0; i--) if (q[i]!.op === op) mine.push(...q.splice(i, 1));
     }
+    // A stall ends when the data lane empties, by a post or by this removal (an abort): the next one counts.
+    if (this.dataQ.length === 0) this.traffic.stalled = false;
     return mine;
   }
 
   /** Empties every lane (the connection failed). */
   takeAll(): Pending[] {
+    this.traffic.stalled = false;
     return [...this.creditQ.splice(0), ...this.rdQ.splice(0), ...this.ctrlQ.splice(0), ...this.dataQ.splice(0)];
   }
 

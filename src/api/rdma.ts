@@ -167,7 +167,8 @@ export class Rdma {
   /**
    * Settles when the connection has ended and its resources are released:
    * resolves (undefined) when either side closed it, rejects with the typed
-   * RdmaError when it failed (RETRY_EXCEEDED for a dead peer, PROTOCOL, ...).
+   * RdmaError when it failed (RETRY_EXCEEDED for a dead peer, PROTOCOL, ...)
+   * or when this side's `close({ flush: true })` could not flush (TIMEOUT).
    * Never an unhandled rejection when nobody awaits it.
    *
    * @example
@@ -579,7 +580,12 @@ export class Rdma {
    * it): a sender that closes loses nothing. Past `timeoutMs` (default 30 s
    * with flush) it closes anyway and rejects with TIMEOUT; when the
    * connection ends first (the peer closed, or it failed), it rejects with
-   * that error's code.
+   * that error's code. Either way `closed` rejects with the same error (the
+   * connection did not end cleanly). While a flush waits, new operations are
+   * refused and the connection stays live (keep-alive and peer timeout run).
+   *
+   * Only the first call closes; a later call (or `await using`) resolves
+   * once the connection is closed, without repeating a flush's error.
    *
    * @example
    * for (const chunk of chunks) void rdma.send(chunk);
@@ -594,12 +600,13 @@ export class Rdma {
       return Promise.reject(e);
     }
     if (debug.enabled) debug("close%s: peer %s:%d", o.flush ? " (flush)" : "", this.peer.address, this.peer.port);
-    this.closePromise = this.conn.close(o.timeoutMs, o.flush).then((r) => {
-      if (r === true) return;
-      if (r === null) throw new RdmaError("TIMEOUT", `close: the peer did not take everything sent within ${o.timeoutMs} ms (timeoutMs); the connection is closed and the rest was dropped`);
-      throw new RdmaError(r.code, `close: the connection ended before the peer took everything sent: ${r.message}`, { cause: r });
+    const p = this.conn.close(o.timeoutMs, o.flush).then((r) => {
+      if (r !== null) throw r;
     });
-    return this.closePromise;
+    // A later close() (or `await using`) resolves once the connection is closed: a flush that
+    // failed is reported once, to the call that asked for it, and by `closed`.
+    this.closePromise = p.catch(() => {});
+    return p;
   }
 
   /** `await using rdma = ...`: closes the connection at the end of the scope. */
@@ -618,7 +625,7 @@ export class Rdma {
     const f = this.onReleased;
     this.onReleased = null;
     f?.();
-    const failure = this.conn.endedCleanly ? undefined : (this.conn.failure ?? new RdmaError("CONNECTION_CLOSED", "the connection ended"));
+    const failure = this.conn.endedCleanly ? undefined : (this.conn.closeFailure ?? this.conn.failure ?? new RdmaError("CONNECTION_CLOSED", "the connection ended"));
     this.end.settle(failure);
     ended(this, failure);
   }

@@ -81,6 +81,23 @@ describe("send lanes (agent/send-lanes.ts)", () => {
     assert.deepEqual(tags(host.posts[1]), ["data2"], "the next when a credit came back");
   });
 
+  it("a stall that ends by an abort (the waiting message removed) is over: the next wait for credits counts again", async () => {
+    const { lanes, host, cr, traffic } = scripted(NEED.data);
+    lanes.enqueue(work(2, "data1"));
+    const stuck = work(2, "data2");
+    lanes.enqueue(stuck);
+    await turn();
+    assert.equal(traffic.creditStalls, 1);
+    lanes.remove(stuck.op); // aborted while it waited: the data lane is empty, the stall is over
+    lanes.enqueue(work(2, "data3")); // still no credits: a new wait
+    await turn();
+    assert.deepEqual(host.posts.map(tags).flat(), ["data1"]);
+    assert.equal(traffic.creditStalls, 2, "the second wait is a second stall");
+    cr.returned(1);
+    lanes.flush();
+    assert.deepEqual(host.posts.map(tags).flat(), ["data1", "data3"]);
+  });
+
   it("never beyond the send queue's depth; the rest waits for completions", async () => {
     const { lanes, host } = scripted(64, 3);
     for (let i = 0; i < 5; i++) lanes.enqueue(work(0, `w${i}`));

@@ -24,6 +24,23 @@ describe("abortableWait (agent/queue.ts)", () => {
     assert.equal(getEventListeners(ac.signal, "abort").length, 0);
   });
 
+  it("a start that throws rejects with its error, and the timer, listener and cleanup go with it", async () => {
+    const ac = new AbortController();
+    let cleanups = 0;
+    const boom = new Error("boom");
+    const p = abortableWait<number>(
+      () => {
+        throw boom;
+      },
+      { signal: ac.signal, timeoutMs: 2 ** 31 - 1, cleanup: () => cleanups++ },
+    );
+    await assert.rejects(p, (e) => e === boom);
+    assert.equal(cleanups, 1);
+    assert.equal(getEventListeners(ac.signal, "abort").length, 0, "the abort listener is removed");
+    // the timer is gone too: with it, this test's process would be kept alive (checked by the count of active timers)
+    assert.equal(process.getActiveResourcesInfo().filter((r) => r === "Timeout").length, 0);
+  });
+
   it("an abort rejects with ABORTED and runs cleanup; an already aborted signal never starts the wait", async () => {
     const ac = new AbortController();
     let cleanups = 0;

@@ -16,7 +16,7 @@ import { describe, it } from "node:test";
 import assert from "node:assert/strict";
 import { fileURLToPath } from "node:url";
 import { dirname, join } from "node:path";
-import { RdmaError, type LocalMr } from "../../src/index.js";
+import { RdmaError, peerMemoryUsage, setPeerMemoryLimit, type LocalMr } from "../../src/index.js";
 import { CM, PROVIDER, apiPair, at, builder, eventually, pattern } from "../support/api.js";
 import { SLOW } from "../support/seam.js";
 import { spawnNode } from "../support/procs.js";
@@ -168,11 +168,59 @@ describe(`connection lifecycle [${PROVIDER}, ${CM}]`, { timeout: 10 * DEADLINE }
       const sends = Array.from({ length: 60 }, (_, i) => client.send(pattern(100, i)));
       sends.forEach((s) => s.catch(() => {}));
       await eventually(() => client.stats().creditStalls > 0, DEADLINE, "the sender to wait for credits");
-      await assert.rejects(client.close({ flush: true, timeoutMs: 300 }), isCode("TIMEOUT"));
+      let failure: unknown;
+      await assert.rejects(client.close({ flush: true, timeoutMs: 300 }), (e) => ((failure = e), isCode("TIMEOUT")(e)));
       const settled = await Promise.allSettled(sends);
       assert.ok(settled.some((s) => s.status === "rejected"), "what the peer did not take is reported on its send");
+      // issue 22 point 2 (review): the connection did not end cleanly, and `closed` says so with the same error;
+      // a later close() (as `await using` makes) does not repeat it.
+      await assert.rejects(client.closed, (e) => e === failure);
+      await client.close();
+      await client.close({ flush: true });
+    } finally {
+      await p.close();
+    }
+  });
+
+  it("issue 22 point 2 (review): while a flushing close waits the connection stays live: a peer that stopped answering fails it (RETRY_EXCEEDED), not the close's timeout", async () => {
+    const p = await apiPair({ client: (b) => b.setKeepalive(50).setPeerTimeout(500 * SLOW).setRendezvousTimeout(0) });
+    const limit = peerMemoryUsage().limit;
+    setPeerMemoryLimit(peerMemoryUsage().used); // the receiver cannot take the message: the flush waits
+    try {
+      const { client, server } = p;
+      // The server's agent stops answering (as SIGSTOP would; the device may still ACK).
+      (server.conn as unknown as { onControl: (m: unknown) => void }).onControl = () => {};
+      (server.conn as unknown as { live: { stop: () => void } }).live.stop();
+      const sent = client.send(pattern(100_000, 3));
+      sent.catch(() => {});
+      await eventually(() => client.stats().rendezvousOut === 1, DEADLINE, "the rendezvous message to be announced");
+      const closing = client.close({ flush: true, timeoutMs: 2 ** 31 - 1 });
+      await assert.rejects(closing, isCode("RETRY_EXCEEDED"));
+      await assert.rejects(client.closed, isCode("RETRY_EXCEEDED"));
+      await assert.rejects(sent, (e: unknown) => e instanceof RdmaError);
+    } finally {
+      setPeerMemoryLimit(limit);
+      await p.close();
+    }
+  });
+
+  it("issue 22 point 2 (review): a rendezvous send aborted while a flushing close waits is cancelled with the peer, and the close completes", async () => {
+    const p = await apiPair();
+    const limit = peerMemoryUsage().limit;
+    setPeerMemoryLimit(peerMemoryUsage().used); // the receiver cannot take the message
+    try {
+      const { client, server } = p;
+      const ac = new AbortController();
+      const sent = client.send(pattern(100_000, 5), { signal: ac.signal });
+      sent.catch(() => {});
+      await eventually(() => server.stats().unread === 1, DEADLINE, "the announcement");
+      const closing = client.close({ flush: true, timeoutMs: DEADLINE });
+      ac.abort();
+      await assert.rejects(sent, isCode("ABORTED"));
+      await closing; // the peer answered the cancel: nothing sent is left untaken
       await client.closed;
     } finally {
+      setPeerMemoryLimit(limit);
       await p.close();
     }
   });
