@@ -5,13 +5,16 @@
 import type { PollingMode } from "./poller.js";
 import type { Share } from "./shares.js";
 
-/** @internal */
-export interface ConnectionOptions {
+/**
+ * The settings the agent runs with, declared once: the builder resolves
+ * them (api/settings.ts's ResolvedSettings extends this) and a connection
+ * takes them as they are (ConnectionOptions extends this).
+ */
+export interface AgentSettings {
   /** Receive buffers posted for the peer's messages. */
   recvDepth: number;
   /** Largest message sent eagerly (copied into a posted receive); larger ones use rendezvous READ. */
   eagerMax: number;
-  sendDepth: number;
   /** Bytes of this side's memory the peer may hold through requestRemoteMr at once. */
   quotaBytes: number;
   /** Regions the peer may hold through requestRemoteMr at once. */
@@ -35,8 +38,6 @@ export interface ConnectionOptions {
   polling: PollingMode;
   /** adaptive mode: how long to keep polling after the last completion before arming events. */
   spinUs: number;
-  /** The QP's max inline data (0: no inline sends). */
-  maxInline: number;
   /** Largest two-sided message accepted from the peer (rendezvous allocates this much). */
   maxMessageSize: number;
   /**
@@ -46,6 +47,17 @@ export interface ConnectionOptions {
    * receive.
    */
   keepaliveMs: number;
+}
+
+/** The names of AgentSettings, for copying them out of a larger settings object. */
+export const AGENT_SETTINGS = ["recvDepth", "eagerMax", "quotaBytes", "maxRegions", "leaseGraceMs", "peerTimeoutMs", "rendezvousTimeoutMs", "defaultLeaseMs", "maxLeaseMs", "polling", "spinUs", "maxMessageSize", "keepaliveMs"] as const satisfies readonly (keyof AgentSettings)[];
+
+/** @internal */
+export interface ConnectionOptions extends AgentSettings {
+  /** The QP's send queue depth (work requests posted at once). */
+  sendDepth: number;
+  /** The QP's max inline data (0: no inline sends). */
+  maxInline: number;
   /** Shared regions the peer may open (shares.ts), and how `allow(peer)` callbacks see the peer. */
   shares?: { find(key: string): Share | undefined; peer(): unknown };
 }

@@ -6,14 +6,14 @@
  * imports included: scripts/check-layers.mjs).
  */
 import type { ProviderChoice } from "../transport/providers.js";
-import type { PollingMode } from "../agent/poller.js";
+import type { AgentSettings } from "../agent/options.js";
 import type { Auth } from "./establish/auth.js";
 
 /** How connections are established: the TCP side channel ("tcp", every provider) or RDMA CM ("rdmacm", verbs only). */
 export type ConnectionManager = "tcp" | "rdmacm";
 
-/** The settings a connection runs with: the builder's, checked and completed against the device's limits. */
-export interface ResolvedSettings {
+/** The settings a connection runs with: the builder's, checked and completed against the device's limits (the agent's own are declared in agent/options.ts). */
+export interface ResolvedSettings extends AgentSettings {
   provider: ProviderChoice;
   device: string | undefined;
   port: number;
@@ -29,21 +29,8 @@ export interface ResolvedSettings {
   minRnrTimer: number;
   maxRdAtomic: number;
   qpAccess: number;
-  polling: PollingMode;
-  spinUs: number;
-  eagerMax: number;
-  recvDepth: number;
-  quotaBytes: number;
-  maxRegions: number;
-  leaseGraceMs: number;
-  peerTimeoutMs: number;
-  rendezvousTimeoutMs: number;
-  defaultLeaseMs: number;
-  maxLeaseMs: number;
   connectTimeoutMs: number;
   closeTimeoutMs: number;
-  keepaliveMs: number;
-  maxMessageSize: number;
   /** Connections a listener sets up at once (holding a QP, before the client's ready). */
   maxHandshakes: number;
   /** Connections a listener holds at once (established, or set up past the hello). */

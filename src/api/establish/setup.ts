@@ -6,6 +6,7 @@
 import { RdmaError } from "../../errors.js";
 import type { DeviceAttr, QpConnectAttr } from "../../transport/types.js";
 import { Connection, type ConnectionOptions } from "../../agent/connection.js";
+import { AGENT_SETTINGS, type AgentSettings } from "../../agent/options.js";
 import { Context } from "../context.js";
 import type { ResolvedSettings } from "../settings.js";
 import type { Rdma } from "../rdma.js";
@@ -35,21 +36,9 @@ export function makeConnection(ctx: Context, s: ResolvedSettings, peer: { recvDe
     throw e;
   }
   const opts: ConnectionOptions = {
-    recvDepth: s.recvDepth,
-    eagerMax: s.eagerMax,
+    ...agentSettings(s),
     sendDepth: s.maxSendWr,
-    quotaBytes: s.quotaBytes,
-    maxRegions: s.maxRegions,
-    leaseGraceMs: s.leaseGraceMs,
-    peerTimeoutMs: s.peerTimeoutMs,
-    rendezvousTimeoutMs: s.rendezvousTimeoutMs,
-    defaultLeaseMs: s.defaultLeaseMs,
-    maxLeaseMs: s.maxLeaseMs,
-    polling: s.polling,
-    spinUs: s.spinUs,
     maxInline: qp.caps.maxInlineData,
-    keepaliveMs: s.keepaliveMs,
-    maxMessageSize: s.maxMessageSize,
     // allow(peer) callbacks see rdma.peer (address, port, proven identity). The Rdma exists before
     // the connection processes its first message (startConnection); were it missing, the open is
     // refused (the agent treats a throwing allow as a refusal): allow is never asked about nobody.
@@ -132,4 +121,11 @@ export function connectAttr(s: ResolvedSettings, peerRdAtomic?: number): QpConne
     maxDestRdAtomic: s.maxRdAtomic,
     livenessMs: s.peerTimeoutMs === 0 ? 2 ** 31 - 1 : s.peerTimeoutMs,
   };
+}
+
+/** The agent's settings out of the resolved ones (agent/options.ts declares them once). */
+function agentSettings(s: ResolvedSettings): AgentSettings {
+  const o = {} as Record<keyof AgentSettings, unknown>;
+  for (const k of AGENT_SETTINGS) o[k] = s[k];
+  return o as AgentSettings;
 }
