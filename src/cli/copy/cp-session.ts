@@ -10,7 +10,8 @@
 import { RpcClient, RpcError } from "../../rpc/index.js";
 import { RdmaError, type LocalMr, type Rdma, type RdmaBuilder, type RemoteMr } from "../../index.js";
 import { CopyError } from "./paths.js";
-import { allocRing, chunkCount } from "./files.js";
+import { chunkCount } from "./chunks.js";
+import { allocRing } from "./direct-io.js";
 import { fromJson, toJson } from "./protocol.js";
 import type { Progress } from "./progress.js";
 import type { Options, Remote } from "./cp-options.js";

@@ -10,7 +10,8 @@
 import { realpath, stat } from "node:fs/promises";
 import { basename, join, posix } from "node:path";
 import { CopyError, withPath } from "./paths.js";
-import { chunkLen, FileSource } from "./files.js";
+import { chunkLen } from "./chunks.js";
+import { FileSource } from "./files.js";
 import { readSmallInto } from "./batch.js";
 import { MAX_ENTRIES, walk } from "./tree.js";
 import { checkListing, encodePut, fromJson, toJson, type SmallFile } from "./protocol.js";

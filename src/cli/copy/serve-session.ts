@@ -6,7 +6,8 @@
  */
 import type { LocalMr, Rdma, RemoteMr, SharedMr } from "../../index.js";
 import { CopyError } from "./paths.js";
-import { StateBudget, type FileSink, type FileSource } from "./files.js";
+import { StateBudget } from "./chunks.js";
+import type { FileSink, FileSource } from "./files.js";
 import { ringShares, ringTotal, sessions, type RingHolder } from "./serve-rings.js";
 
 const MAX_OPEN = 256;
