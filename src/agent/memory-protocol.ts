@@ -28,7 +28,9 @@ import { LimitsExchange } from "./memory-limits.js";
 import { MemoryGrants } from "./memory-grants.js";
 import { MemoryRequests } from "./memory-requests.js";
 
-export type { CtrlMsg, MemoryHost, MemoryLimits, PeerLimits } from "./memory-host.js";
+export type { CtrlMsg, MemoryLimits, PeerLimits } from "./memory-host.js";
+/** @internal */
+export type { MemoryHost } from "./memory-host.js";
 export { MAX_UNCLAIMED_LENDS } from "./memory-requests.js";
 
 /**
