@@ -11,7 +11,7 @@ import { chmodSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readFileSync,
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { eventually } from "../support/api.js";
-import { chunkStateBytes } from "../../src/cli/copy/files.js";
+import { chunkStateBytes } from "../../src/cli/copy/chunks.js";
 import { SourceShares } from "../../src/cli/copy/serve.js";
 import { cp, DEADLINE, fakeServer, PROVIDER, rawClient, serve, type FakeServer, type RawClient, type Server } from "../support/cp.js";
 

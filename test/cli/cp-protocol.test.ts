@@ -15,7 +15,9 @@ import { randomBytes } from "node:crypto";
 import { checkLinkTarget, checkRel, resolveInsideSync } from "../../src/cli/copy/paths.js";
 import { checkListing, decodeGet, decodePut, encodeGet, encodePut, smallFiles } from "../../src/cli/copy/protocol.js";
 import { setTimes } from "../../src/cli/copy/tree.js";
-import { chunkStateBytes, directShift, fileDigest, FileSink, StateBudget, tempName } from "../../src/cli/copy/files.js";
+import { chunkStateBytes, fileDigest, StateBudget } from "../../src/cli/copy/chunks.js";
+import { directShift } from "../../src/cli/copy/direct-io.js";
+import { FileSink, tempName } from "../../src/cli/copy/files.js";
 import { parseRemote } from "../../src/cli/copy/cp.js";
 
 describe("cp protocol and receiver rules", () => {

@@ -20,7 +20,7 @@ import { join } from "node:path";
 import type { Readable, Writable } from "node:stream";
 import { pipeline } from "node:stream/promises";
 import { crc32 } from "node:zlib";
-import { chunkCount, chunkLen, fileDigest } from "./files.js";
+import { chunkCount, chunkLen, fileDigest } from "./chunks.js";
 import { CopyError } from "./paths.js";
 
 /** Chunks of one file, checked and written to `out` in order. */

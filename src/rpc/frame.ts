@@ -1,0 +1,90 @@
+/**
+ * The RPC frame codec: the one place that knows a frame's bytes. Several
+ * frames travel in one message; each is (big-endian)
+ *   0 u8 magic 0x52   1 u8 kind (1 CALL, 2 OK, 3 ERROR, 4 CANCEL)
+ *   2 u16 method length   4 u32 call id   8 u32 payload length
+ *   12 method (UTF-8, CALL only)   then the payload.
+ * A received message is decoded whole before any of its frames is acted
+ * on: a malformed one is a PROTOCOL error naming what is wrong, and each
+ * frame's payload is a copy (the message's buffer goes back at once).
+ */
+import { RdmaError } from "../index.js";
+
+const MAGIC = 0x52;
+export const CALL = 1;
+export const OK = 2;
+export const ERROR = 3;
+export const CANCEL = 4;
+/** Bytes of a frame's header, before the method name. */
+export const HDR = 12;
+/** The longest method name (UTF-8 bytes). */
+export const MAX_METHOD = 1024;
+
+/** One decoded frame. */
+export interface Frame {
+  kind: number;
+  id: number;
+  method: string;
+  payload: Uint8Array;
+}
+
+export const enc = new TextEncoder();
+export const dec = new TextDecoder("utf-8", { fatal: true });
+export const EMPTY = new Uint8Array(0);
+
+export function encodeFrame(kind: number, id: number, method: Uint8Array | null, payload: Uint8Array): Uint8Array {
+  const m = method ?? EMPTY;
+  const out = new Uint8Array(HDR + m.length + payload.length);
+  const v = new DataView(out.buffer);
+  v.setUint8(0, MAGIC);
+  v.setUint8(1, kind);
+  v.setUint16(2, m.length);
+  v.setUint32(4, id);
+  v.setUint32(8, payload.length);
+  out.set(m, HDR);
+  out.set(payload, HDR + m.length);
+  return out;
+}
+
+
+/** Every frame of a message; throws PROTOCOL naming what is wrong. */
+export function decodeFrames(buf: Uint8Array): Frame[] {
+  const out: Frame[] = [];
+  const v = new DataView(buf.buffer, buf.byteOffset, buf.byteLength);
+  let off = 0;
+  while (off < buf.length) {
+    if (buf.length - off < HDR) throw new RdmaError("PROTOCOL", `rpc: truncated frame header (${buf.length - off} bytes)`);
+    if (v.getUint8(off) !== MAGIC) throw new RdmaError("PROTOCOL", "rpc: bad frame magic (is the peer an RpcClient/RpcServer?)");
+    const kind = v.getUint8(off + 1);
+    const mlen = v.getUint16(off + 2);
+    const id = v.getUint32(off + 4);
+    const plen = v.getUint32(off + 8);
+    if (kind < CALL || kind > CANCEL) throw new RdmaError("PROTOCOL", `rpc: unknown frame kind ${kind}`);
+    if (kind !== CALL && mlen !== 0) throw new RdmaError("PROTOCOL", "rpc: method name on a frame that is not a call");
+    if (mlen > MAX_METHOD) throw new RdmaError("PROTOCOL", `rpc: method name of ${mlen} bytes`);
+    const end = off + HDR + mlen + plen;
+    if (end > buf.length) throw new RdmaError("PROTOCOL", "rpc: frame longer than its message");
+    let method = "";
+    if (mlen > 0) {
+      try {
+        method = dec.decode(buf.subarray(off + HDR, off + HDR + mlen));
+      } catch {
+        throw new RdmaError("PROTOCOL", "rpc: method name is not UTF-8");
+      }
+    }
+    // A copy: the message's buffer goes back to the connection at once.
+    out.push({ kind, id, method, payload: buf.slice(off + HDR + mlen, end) });
+    off = end;
+  }
+  return out;
+}
+
+/** The ids of the CALL frames in `b` (frames this side encoded, so well-formed): the calls of a message whose send failed. */
+export function callIds(b: Uint8Array): number[] {
+  const ids: number[] = [];
+  const v = new DataView(b.buffer, b.byteOffset, b.byteLength);
+  for (let off = 0; off + HDR <= b.length; off += HDR + v.getUint16(off + 2) + v.getUint32(off + 8)) {
+    if (v.getUint8(off + 1) === CALL) ids.push(v.getUint32(off + 4));
+  }
+  return ids;
+}
