@@ -614,7 +614,7 @@ async function movesData(a: Side, b: Side, round: number): Promise<void> {
   }
 }
 
-describe("a hostile peer of a real QP (impostor on both streams)", () => {
+describe("a hostile peer of a real QP (impostor on its one stream, both directions)", () => {
   it("control: the impostor speaks the protocol (ACK, READ_RESP, ATOMIC_RESP complete WRs; its WRITE and SEND land exactly)", () =>
     withFakePeer(async (p) => {
       p.qp.postSend([
@@ -692,7 +692,7 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
       assert.deepEqual(p.events, []);
     }));
 
-  describe("malformed requests (the QP's responder stream)", () => {
+  describe("malformed requests (to the QP's responder)", () => {
     it("truncated header, then close: QP_FATAL; the outstanding SEND fails RETRY_EXC_ERR, the rest flushes", () =>
       withFakePeer(async (p) => {
         await outstanding(p);
@@ -1022,7 +1022,7 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
       }),
   );
 
-  describe("malformed responses (the QP's requester stream)", () => {
+  describe("malformed responses (to the QP's requester)", () => {
     it("truncated response header, then close: RETRY_EXC_ERR, the rest flushes", () =>
       withFakePeer(async (p) => {
         await outstanding(p);
@@ -1157,7 +1157,7 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
         await outstanding(p);
         // The QP sent qPsn and qPsn+1: qPsn+2 is the first PSN it never sent.
         p.inS.write(hdr(FrameType.ACK, { psn: (p.qPsn + 2) & PSN_MASK }));
-        await fatal(p, /requester stream: ACK for PSN \d+, which was never sent/);
+        await fatal(p, /for the requester: ACK for PSN \d+, which was never sent/);
         await outstandingCompletions(p, WcStatus.BAD_RESP_ERR);
         await streamsClosed(p);
         assertSentinels(p);
@@ -1171,7 +1171,7 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
         withFakePeer(async (p) => {
           await outstanding(p);
           p.outS.write(ackingWrite(p, (p.qPsn + delta) & PSN_MASK));
-          await fatal(p, /responder stream: piggybacked ACK for PSN \d+, which was never sent/);
+          await fatal(p, /for the responder: piggybacked ACK for PSN \d+, which was never sent/);
           await outstandingCompletions(p, WcStatus.BAD_RESP_ERR);
           await streamsClosed(p);
           assertSentinels(p);
