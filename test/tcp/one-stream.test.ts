@@ -138,6 +138,41 @@ describe("tcp wire format v2: one stream per QP (issue 21 point 2)", () => {
     assert.equal(side.qp.state, QpState.ERR);
   });
 
+  it("issue 21 point 2: a version-1 peer the QP dials (it dials back with a version-1 HELLO) fails the QP with PROTOCOL naming both versions", async () => {
+    const dev = await openDevice("tcp-1s-v1-dial");
+    const side = makeSide(dev);
+    const events: AsyncEvent[] = [];
+    side.qp.onEvent = (e) => events.push(e);
+    // The "version-1 peer": a server that takes our stream and never answers on it.
+    const server = net.createServer();
+    const taken: net.Socket[] = [];
+    server.on("connection", (s) => {
+      s.on("error", () => {});
+      taken.push(s);
+    });
+    await new Promise<void>((r) => server.listen(0, HOST, r));
+    try {
+      const PEER_QPN = 0xfffff0; // higher than ours: our QP dials
+      const PEER_PSN = 0x1234;
+      side.qp.connect({ provider: "tcp", qpNum: PEER_QPN, psn: PEER_PSN, lid: 0, gid: HOST, port: (server.address() as net.AddressInfo).port, mtu: 4096 }, ATTR);
+      await eventually(() => taken.length > 0, DEADLINE_MS, "our QP to dial the peer");
+      // A version-1 peer dials its own request stream to us, as version 1 did.
+      const s = await dial(side.qp.localEndpoint().port);
+      s.on("error", () => {});
+      const h = Buffer.from(encodeHeader(FrameType.HELLO, 0, PEER_PSN, 0, 0, 0, 0, side.qp.qpNum, PEER_QPN, 0));
+      h[1] = 1;
+      s.write(h);
+      await eventually(() => events.length > 0, DEADLINE_MS, "the QP's async event");
+      assert.equal(events[0]!.type, "QP_FATAL");
+      assert.match(events[0]!.reason, /PROTOCOL.*wire version 1 not supported \(this side speaks 2\)/);
+      assert.equal(side.qp.state, QpState.ERR);
+      s.destroy();
+    } finally {
+      for (const t of taken) t.destroy();
+      server.close();
+    }
+  });
+
   it("issue 21 point 2: the waiting side's deadline: a peer whose stream never arrives moves the QP to ERR with an async event, its work flushed (no hang)", async () => {
     const dev = await openDevice("tcp-1s-wait");
     (dev as unknown as { helloTimeoutMs: number }).helloTimeoutMs = 300;

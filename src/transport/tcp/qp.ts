@@ -88,6 +88,8 @@ export class TcpQueuePair implements QueuePair, QpCore {
   private dials = false;
   /** The waiting side's deadline for the peer's stream. */
   private waitTimer: NodeJS.Timeout | null = null;
+  /** A byte arrived on the stream (the peer speaks this wire version). */
+  private heard = false;
 
   /** Frame counters (a snapshot). */
   get stats(): TcpQpStats {
@@ -231,6 +233,7 @@ export class TcpQueuePair implements QueuePair, QpCore {
     req.attach(sock, reader);
     resp.attach(sock, reader);
     const feed = (buf: Buffer, start: number, end: number): void => {
+      this.heard = true;
       reader.feed(buf, start, end);
       // Bytes of a response payload still arriving are progress too (a header is counted when it is taken).
       if (reader.payloadLeft > 0 && reader.h.type === FrameType.READ_RESP) req.liveness.progress();
@@ -268,12 +271,14 @@ export class TcpQueuePair implements QueuePair, QpCore {
   }
 
   /**
-   * A HELLO of another wire version naming this QP: when it comes from the
-   * peer this QP waits for, the QP fails with a reason naming both versions
-   * (the peer's stream is closed by the device).
+   * A HELLO of another wire version naming this QP: when it comes from its
+   * peer (the one it waits for, or the one it dialed and has not heard from:
+   * a version-1 peer dials too), the QP fails with a reason naming both
+   * versions (the device closes that stream).
    */
   refusedVersion(srcQp: number, psn: number, reason: string): void {
-    if (this.state !== QpState.RTS || this.dials || this.sock || !this.remote || srcQp !== this.remote.qpNum || psn !== this.remote.psn) return;
+    if (this.state !== QpState.RTS || !this.remote || srcQp !== this.remote.qpNum || psn !== this.remote.psn) return;
+    if (this.dials ? this.heard : this.sock !== null) return;
     this.enterError(`PROTOCOL: the peer's stream was refused: ${reason}`, true, "QP_FATAL");
   }
 
