@@ -46,13 +46,11 @@ async function settled(ops: Promise<unknown>[], what: string): Promise<number> {
   return failed;
 }
 
-/** Cuts the peer's transport under its agent: tcp destroys the QP's streams; verbs (no stream) moves the QP to ERR. */
+/** Cuts the peer's transport under its agent: tcp destroys the QP's stream; verbs (no stream) moves the QP to ERR. */
 function cut(rdma: Rdma): void {
-  const qp = rdma.conn.qp as unknown as { reqSock?: { destroy(): void } | null; respSock?: { destroy(): void } | null; setError(): void };
-  if (PROVIDER === "tcp") {
-    qp.reqSock?.destroy();
-    qp.respSock?.destroy();
-  } else qp.setError();
+  const qp = rdma.conn.qp as unknown as { sock?: { destroy(): void } | null; setError(): void };
+  if (PROVIDER === "tcp") qp.sock?.destroy();
+  else qp.setError();
 }
 
 describe(`API churn [${PROVIDER}, ${CM}]`, { timeout: 3_600_000 }, () => {

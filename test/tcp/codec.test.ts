@@ -97,10 +97,10 @@ function prng(seed: number): () => number {
 }
 
 describe("tcp wire codec", () => {
-  it("header is 48 bytes, magic 0xD7, version 1, messages up to 2^31", () => {
+  it("header is 48 bytes, magic 0xD7, version 2 (issue 21 point 2: one stream per QP), messages up to 2^31", () => {
     assert.equal(HEADER_LEN, 48);
     assert.equal(MAGIC, 0xd7);
-    assert.equal(VERSION, 1);
+    assert.equal(VERSION, 2);
     assert.equal(MAX_MESSAGE, 2 ** 31);
   });
 
@@ -110,7 +110,7 @@ describe("tcp wire codec", () => {
       assert.equal(b.length, HEADER_LEN);
       // Byte layout by offset (all multi-byte fields big-endian).
       assert.equal(b[0], 0xd7, "magic at 0");
-      assert.equal(b[1], 1, "version at 1");
+      assert.equal(b[1], 2, "version at 1");
       assert.equal(b[2], f.type, "type at 2");
       assert.equal(b[3], f.flags, "flags at 3");
       assert.equal(b.readUInt32BE(4), f.psn, "psn at 4");
@@ -161,7 +161,8 @@ describe("tcp wire codec", () => {
       { name: "bad magic", make: () => ((b) => ((b[0] = 0xd6), b))(valid()), reason: /magic/ },
       { name: "magic 0", make: () => ((b) => ((b[0] = 0), b))(valid()), reason: /magic/ },
       { name: "version 0", make: () => ((b) => ((b[1] = 0), b))(valid()), reason: /version 0/ },
-      { name: "version 2", make: () => ((b) => ((b[1] = 2), b))(valid()), reason: /version 2/ },
+      { name: "version 1 (the two-stream format)", make: () => ((b) => ((b[1] = 1), b))(valid()), reason: /wire version 1 not supported \(this side speaks 2\)/ },
+      { name: "version 3", make: () => ((b) => ((b[1] = 3), b))(valid()), reason: /version 3/ },
       { name: "version 255", make: () => ((b) => ((b[1] = 255), b))(valid()), reason: /version 255/ },
       { name: "type 0", make: () => encode({ ...base, type: 0 as FrameType }), reason: /unknown frame type 0/ },
       { name: "type 9", make: () => encode({ ...base, type: 9 as FrameType }), reason: /unknown frame type 9/ },

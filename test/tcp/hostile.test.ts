@@ -4,8 +4,9 @@
  * (a) Raw sockets that connect to the device port and misbehave (garbage, a
  *     HELLO for an unknown QP, silence...): the device and its QPs carry on.
  * (b) A raw-socket impostor that plays the PEER of a real QP: the QP dials a
- *     net.Server we own (so we read its HELLO and requests and answer them),
- *     and we dial the device with a HELLO naming the QP (so we are its
+ *     net.Server we own (its QP number is lower, so it dials: wire version 2,
+ *     one stream per QP), and on that one stream we read its HELLO and
+ *     requests and answer them, and send it our own requests (so we are its
  *     requester too). Every malformed or hostile frame moves the QP to ERR
  *     with a reason (or the right NAK / completion status), outstanding WRs
  *     complete with an error, registered memory outside the targeted range is
@@ -33,6 +34,7 @@ import {
   type WorkCompletion,
 } from "../../src/transport/types.js";
 import { tcpProvider, type TcpQueuePair } from "../../src/transport/tcp/index.js";
+import { dialsFirst } from "../../src/transport/tcp/qp.js";
 import {
   FrameFlags,
   FrameType,
@@ -98,7 +100,16 @@ interface Frame {
   payload: Buffer;
 }
 
-/** Parses the frames a real QP sends us (it is the well-behaved side, so a parse error is a test failure). */
+/** Frames a QP's requester sends (HELLO first), and what its responder sends. */
+const REQUEST_TYPES: readonly number[] = [FrameType.HELLO, FrameType.SEND, FrameType.WRITE, FrameType.READ_REQ, FrameType.ATOMIC];
+const isRequestFrame = (t: number): boolean => REQUEST_TYPES.includes(t);
+const isResponseFrame = (t: number): boolean => !REQUEST_TYPES.includes(t);
+
+/**
+ * Parses the frames a real QP sends us (it is the well-behaved side, so a
+ * parse error is a test failure), keeping those `keep` selects: the one
+ * stream carries both directions, and each view sees one half of it.
+ */
 class FrameStream {
   private buf: Buffer = Buffer.alloc(0);
   /** Chunks not yet joined into `buf` (joined only once a whole frame is there: big payloads stay linear). */
@@ -114,6 +125,7 @@ class FrameStream {
   constructor(
     readonly sock: net.Socket,
     private readonly w: Waiter,
+    private readonly keep: (type: number) => boolean = () => true,
   ) {
     sock.on("data", (c: Buffer) => {
       this.parts.push(c);
@@ -150,7 +162,7 @@ class FrameStream {
         return;
       }
       this.need = HEADER_LEN;
-      this.frames.push({ h, payload: Buffer.from(this.buf.subarray(HEADER_LEN, HEADER_LEN + h.payloadLen)) });
+      if (this.keep(h.type)) this.frames.push({ h, payload: Buffer.from(this.buf.subarray(HEADER_LEN, HEADER_LEN + h.payloadLen)) });
       this.buf = this.buf.subarray(HEADER_LEN + h.payloadLen);
     }
   }
@@ -275,9 +287,9 @@ interface FakePeer {
   local: MemoryRegion;
   recvBuf: MemoryRegion;
   snaps: Map<MemoryRegion, Uint8Array>;
-  /** The QP dialed us: its requests arrive here, our responses go back on it. */
+  /** The QP's one stream (it dialed us), its requests as we read them; our responses go back on it. */
   inS: FrameStream;
-  /** We dialed the device: our requests go out here, its responses arrive here. */
+  /** The same stream, the QP's responses as we read them; our requests go out on it. */
   outS: FrameStream;
   /** PSN of the QP's first request. */
   qPsn: number;
@@ -323,18 +335,16 @@ async function openFakePeer(): Promise<FakePeer> {
   qp.connect({ provider: "tcp", qpNum: FAKE_QPN, psn: FAKE_PSN, lid: 0, gid: HOST, port, mtu: 4096 }, { timeout: 0, retryCnt: 7, rnrRetry: 7, minRnrTimer: 1 });
   const reqIn = await withDeadline(accepted, DEADLINE_MS, "the QP dialing the fake peer");
   sockets.push(reqIn);
-  const inS = new FrameStream(reqIn, w);
+  const inS = new FrameStream(reqIn, w, isRequestFrame);
+  // One stream per QP (wire version 2): we are its requester on the same stream.
+  const out = reqIn;
+  const outS = new FrameStream(out, w, isResponseFrame);
   const hello = await inS.next("the QP's HELLO");
   assert.equal(hello.h.type, FrameType.HELLO);
   assert.equal(hello.h.aux, FAKE_QPN, "HELLO names the destination QP in aux");
   assert.equal(Number(hello.h.op1), qp.qpNum, "HELLO names the source QP in operand1");
   assert.equal(hello.h.psn, qp.localEndpoint().psn, "HELLO carries the QP's initial PSN");
 
-  // We are also its requester: dial the device and introduce ourselves as the endpoint it connected to.
-  const out = await connectRaw((dev as unknown as { port: number }).port, w);
-  sockets.push(out);
-  const outS = new FrameStream(out, w);
-  out.write(hdr(FrameType.HELLO, { psn: FAKE_PSN, aux: qp.qpNum, op1: BigInt(FAKE_QPN) }));
   // Zero-length WRITE as a ping (no rkey check for zero length, as in IB): the ACK proves the QP took our stream.
   out.write(hdr(FrameType.WRITE, { psn: FAKE_PSN }));
   const ack = await outS.next("ACK of the ping");
@@ -533,8 +543,10 @@ describe("hostile raw sockets on the device port", () => {
       const devB = await openDevice();
       cleanups.push(() => devA.close(), () => devB.close());
       try {
-        const a = makeSide(devA);
-        const b = makeSide(devB);
+        const x = makeSide(devA);
+        const y = makeSide(devB);
+        // One stream per QP (wire version 2): A is the side that dials (dialsFirst), B waits for A's stream.
+        const [a, b] = dialsFirst(endpointOf(x), endpointOf(y)) ? [x, y] : [y, x];
         const events: AsyncEvent[] = [];
         a.qp.onEvent = b.qp.onEvent = (e) => {
           events.push(e);
@@ -546,7 +558,7 @@ describe("hostile raw sockets on the device port", () => {
         const bInternals = b.qp as unknown as { parked: { srcQp: number }[] };
         await w.until(() => bInternals.parked.some((x) => x.srcQp === a.qp.qpNum), "A's stream to be parked at B", DEADLINE_MS, 1);
         // The stranger names B (QP numbers are small and sequential: easy to guess).
-        const s = await connectRaw((devB as unknown as { port: number }).port, w);
+        const s = await connectRaw(b.qp.localEndpoint().port, w);
         s.on("error", () => {});
         s.write(hdr(FrameType.HELLO, { aux: b.qp.qpNum, op1: 0x4242n, psn: 7 }));
         // Give the device the time to handle the stranger's HELLO while B is still in INIT: it either
@@ -564,6 +576,11 @@ describe("hostile raw sockets on the device port", () => {
     },
   );
 });
+
+/** A side's endpoint as dialsFirst compares it. */
+function endpointOf(x: Side): { qpNum: number; port: number; psn: number; gid: string } {
+  return x.qp.localEndpoint();
+}
 
 /** SEND, WRITE, READ and an atomic between two connected sides, checked byte for byte. */
 async function movesData(a: Side, b: Side, round: number): Promise<void> {
@@ -597,7 +614,7 @@ async function movesData(a: Side, b: Side, round: number): Promise<void> {
   }
 }
 
-describe("a hostile peer of a real QP (impostor on both streams)", () => {
+describe("a hostile peer of a real QP (impostor on its one stream, both directions)", () => {
   it("control: the impostor speaks the protocol (ACK, READ_RESP, ATOMIC_RESP complete WRs; its WRITE and SEND land exactly)", () =>
     withFakePeer(async (p) => {
       p.qp.postSend([
@@ -675,7 +692,7 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
       assert.deepEqual(p.events, []);
     }));
 
-  describe("malformed requests (the QP's responder stream)", () => {
+  describe("malformed requests (to the QP's responder)", () => {
     it("truncated header, then close: QP_FATAL; the outstanding SEND fails RETRY_EXC_ERR, the rest flushes", () =>
       withFakePeer(async (p) => {
         await outstanding(p);
@@ -688,13 +705,14 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
         assertSentinels(p);
       }));
 
-    for (const stream of ["responder", "requester"] as const) {
+    for (const how of ["end", "destroy"] as const) {
       it(
-        `the peer closing its ${stream} stream with work outstanding raises QP_FATAL with the reason`,
+        `the peer closing the stream (${how}) with work outstanding raises QP_FATAL with the reason`,
         () =>
           withFakePeer(async (p) => {
             await outstanding(p);
-            (stream === "responder" ? p.outS : p.inS).sock.end();
+            if (how === "end") p.inS.sock.end();
+            else p.inS.sock.destroy();
             await outstandingCompletions(p, WcStatus.RETRY_EXC_ERR);
             // The event is queued before the completions are (microtask vs. notification): it is due by now.
             await fatal(p, /closed|reset|failed/, ["QP_FATAL"], 500);
@@ -705,10 +723,11 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
     it("wrong wire version: QP_FATAL naming the version; outstanding work flushes", () =>
       withFakePeer(async (p) => {
         await outstanding(p);
+        // Version 1 (the two-stream format) mid-stream, as a request.
         const h = hdr(FrameType.WRITE, { psn: nextPsn(p), payloadLen: 8, rkey: p.target.rkey, raddr: p.target.addr });
-        h[1] = 2;
+        h[1] = 1;
         p.outS.write(h, Buffer.alloc(8, 0xee));
-        await fatal(p, /responder.*wire version 2/);
+        await fatal(p, /responder.*wire version 1 not supported \(this side speaks 2\)/);
         await outstandingCompletions(p, WcStatus.WR_FLUSH_ERR);
         await streamsClosed(p);
         assertSentinels(p);
@@ -914,8 +933,8 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
       p.w.poke();
     });
     p.outS.sock.write(hdr(FrameType.READ_REQ, { psn: nextPsn(p), rkey, raddr: addr, aux: size }));
-    const resp = p.qp as unknown as { respSock: net.Socket | null };
-    await p.w.until(() => (resp.respSock?.writableLength ?? 0) > 0, "the READ response to back up in the responder's socket", DEADLINE_MS, 1);
+    const resp = p.qp as unknown as { sock: net.Socket | null };
+    await p.w.until(() => (resp.sock?.writableLength ?? 0) > 0, "the READ response to back up in the responder's socket", DEADLINE_MS, 1);
     whileQueued();
     v8.setFlagsFromString("--expose-gc");
     const gc = vm.runInNewContext("gc") as () => void;
@@ -977,13 +996,13 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
           p.w.poke();
         });
         p.qp.postSend([{ wrId: 1, opcode: WrOpcode.RDMA_WRITE, flags: SendFlags.SIGNALED, sgList: [sge(m)], remoteAddr: 0x10000, rkey: 0x42 }]);
-        const req = p.qp as unknown as { reqSock: net.Socket | null };
+        const req = p.qp as unknown as { sock: net.Socket | null };
         const sockErrors: string[] = [];
-        req.reqSock!.on("error", (e: NodeJS.ErrnoException) => {
+        req.sock!.on("error", (e: NodeJS.ErrnoException) => {
           sockErrors.push(e.code ?? e.message);
           p.w.poke();
         });
-        await p.w.until(() => (req.reqSock?.writableLength ?? 0) > 0, "the WRITE to back up in the requester's socket", DEADLINE_MS, 1);
+        await p.w.until(() => (req.sock?.writableLength ?? 0) > 0, "the WRITE to back up in the requester's socket", DEADLINE_MS, 1);
         p.qp.setError();
         const [wc] = await waitCompletions(p.side, 1);
         assert.equal(wcStatusName(wc!.status), "WR_FLUSH_ERR");
@@ -1003,7 +1022,7 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
       }),
   );
 
-  describe("malformed responses (the QP's requester stream)", () => {
+  describe("malformed responses (to the QP's requester)", () => {
     it("truncated response header, then close: RETRY_EXC_ERR, the rest flushes", () =>
       withFakePeer(async (p) => {
         await outstanding(p);
@@ -1035,12 +1054,13 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
         await outstandingCompletions(p, WcStatus.BAD_RESP_ERR);
       }));
 
-    it("a request frame (SEND) on the response stream: BAD_RESP_ERR", () =>
+    it("a HELLO after the stream's first frame (issue 21 point 2: one stream, HELLO only first): QP_FATAL, the rest flushes", () =>
       withFakePeer(async (p) => {
         await outstanding(p);
-        p.inS.write(hdr(FrameType.SEND, { psn: p.qPsn, payloadLen: 4 }), Buffer.alloc(4));
-        await fatal(p, /unexpected frame type 2/);
-        await outstandingCompletions(p, WcStatus.BAD_RESP_ERR);
+        p.inS.write(hdr(FrameType.HELLO, { psn: FAKE_PSN, aux: p.qp.qpNum, op1: BigInt(FAKE_QPN) }));
+        await fatal(p, /unexpected frame type 1 \(HELLO\)/);
+        await outstandingCompletions(p, WcStatus.WR_FLUSH_ERR);
+        await streamsClosed(p);
         assertSentinels(p);
       }));
 
@@ -1137,7 +1157,7 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
         await outstanding(p);
         // The QP sent qPsn and qPsn+1: qPsn+2 is the first PSN it never sent.
         p.inS.write(hdr(FrameType.ACK, { psn: (p.qPsn + 2) & PSN_MASK }));
-        await fatal(p, /requester stream: ACK for PSN \d+, which was never sent/);
+        await fatal(p, /for the requester: ACK for PSN \d+, which was never sent/);
         await outstandingCompletions(p, WcStatus.BAD_RESP_ERR);
         await streamsClosed(p);
         assertSentinels(p);
@@ -1151,7 +1171,7 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
         withFakePeer(async (p) => {
           await outstanding(p);
           p.outS.write(ackingWrite(p, (p.qPsn + delta) & PSN_MASK));
-          await fatal(p, /responder stream: piggybacked ACK for PSN \d+, which was never sent/);
+          await fatal(p, /for the responder: piggybacked ACK for PSN \d+, which was never sent/);
           await outstandingCompletions(p, WcStatus.BAD_RESP_ERR);
           await streamsClosed(p);
           assertSentinels(p);
@@ -1305,9 +1325,9 @@ describe("a hostile peer of a real QP (impostor on both streams)", () => {
 describe("responder resources and back-pressure [issue 9 #9]", () => {
   /** Samples how many response bytes the QP keeps queued in user space (its response stream's writableLength). */
   function queuedSampler(qp: QueuePair): { max(): number; stop(): void } {
-    const qpi = qp as unknown as { respSock: net.Socket | null };
+    const qpi = qp as unknown as { sock: net.Socket | null };
     let max = 0;
-    const t = setInterval(() => (max = Math.max(max, qpi.respSock?.writableLength ?? 0)), 1);
+    const t = setInterval(() => (max = Math.max(max, qpi.sock?.writableLength ?? 0)), 1);
     return { max: () => max, stop: () => clearInterval(t) };
   }
 
@@ -1338,8 +1358,8 @@ describe("responder resources and back-pressure [issue 9 #9]", () => {
         // (1 MiB) plus what one received chunk produced.
         assert.ok(sampler.max() <= 2 * 1024 * 1024, `the QP queued up to ${sampler.max()} response bytes`);
         // The QP gives up on the stream after its linger even though the impostor never reads.
-        const qpi = p.qp as unknown as { respSock: net.Socket | null };
-        await p.w.until(() => qpi.respSock?.destroyed === true, "the QP to destroy the unread stream", DEADLINE_MS * 2, 5);
+        const qpi = p.qp as unknown as { sock: net.Socket | null };
+        await p.w.until(() => qpi.sock?.destroyed === true, "the QP to destroy the unread stream", DEADLINE_MS * 2, 5);
         // Other QPs on the device are untouched.
         const a = makeSide(p.dev);
         const b = makeSide(p.dev);
@@ -1356,7 +1376,7 @@ describe("responder resources and back-pressure [issue 9 #9]", () => {
       const big = p.side.pd.registerMr(4 * 1024 * 1024, ALL_REMOTE);
       fill(big, 0x5a);
       p.outS.sock.pause();
-      const qpi = p.qp as unknown as { stats: { requestPauses: number }; respSock: net.Socket };
+      const qpi = p.qp as unknown as { stats: { requestPauses: number }; sock: net.Socket };
       // 16 READs of 4 MiB (within maxDestRdAtomic): 64 MiB of responses the impostor does not read yet.
       const readPsns: number[] = [];
       for (let i = 0; i < 16; i++) {
@@ -1365,7 +1385,7 @@ describe("responder resources and back-pressure [issue 9 #9]", () => {
         p.outS.write(hdr(FrameType.READ_REQ, { psn, rkey: big.rkey, raddr: big.addr, aux: big.length }));
       }
       await p.w.until(() => qpi.stats.requestPauses >= 1, "the QP to pause the request stream", DEADLINE_MS, 1);
-      assert.equal(qpi.respSock.isPaused(), true);
+      assert.equal(qpi.sock.isPaused(), true);
       // A WRITE sent now waits in the stream until the QP reads again.
       const wpsn = nextPsn(p);
       p.outS.write(hdr(FrameType.WRITE, { psn: wpsn, rkey: p.target.rkey, raddr: p.target.addr, payloadLen: 8 }), Buffer.from([1, 2, 3, 4, 5, 6, 7, 8]));
@@ -1384,7 +1404,7 @@ describe("responder resources and back-pressure [issue 9 #9]", () => {
         if (f.h.psn === wpsn) break;
       }
       assert.deepEqual([...bytes(p.target).subarray(0, 8)], [1, 2, 3, 4, 5, 6, 7, 8]);
-      assert.equal(qpi.respSock.isPaused(), false, "reading again");
+      assert.equal(qpi.sock.isPaused(), false, "reading again");
       assert.deepEqual(p.events, []);
       assert.equal(p.qp.state, QpState.RTS);
     }));

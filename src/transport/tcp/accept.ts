@@ -1,7 +1,10 @@
 /**
  * Accepting streams on a tcp device's port. The first frame on an accepted
- * stream must be HELLO naming a local QP; that QP's responder then takes the
- * stream (TcpQueuePair.incoming). Until then the stream is "pending", and what
+ * stream must be a HELLO of this wire version naming a local QP that waits
+ * for its peer's stream; that QP then takes the stream
+ * (TcpQueuePair.incoming). A HELLO of another version is refused (counted in
+ * `versionRefused`; the QP it names, if that QP waits for exactly that peer,
+ * fails with a PROTOCOL reason naming both versions). Until then the stream is "pending", and what
  * strangers can make the device hold is bounded three ways:
  *
  * - per source (an IPv4 address, or an IPv6 /64): at most
@@ -16,7 +19,7 @@
  */
 import type * as net from "node:net";
 import { QpState } from "../types.js";
-import { FrameType } from "./codec.js";
+import { FrameType, HEADER_LEN, MAGIC, VERSION_MISMATCH } from "./codec.js";
 import { FrameReader } from "./frame-reader.js";
 import { ReadPort, adoptAccepted } from "./read-path.js";
 
@@ -28,8 +31,10 @@ export const MAX_PENDING_HELLO_PER_SOURCE = 64;
 /** A QP as the device's port sees it: HELLO names it, and it takes the stream (TcpQueuePair). */
 export interface HelloTarget {
   readonly state: QpState;
-  /** The peer's request stream (its bytes go to `port`): `srcQp` and `psn` from its HELLO, `rest` the bytes that followed it. */
+  /** The peer's stream (its bytes go to `port`): `srcQp` and `psn` from its HELLO, `rest` the bytes that followed it. */
   incoming(sock: net.Socket, port: ReadPort, srcQp: number, psn: number, rest: Buffer | null): void;
+  /** A HELLO of another wire version named this QP (`reason` names both versions); the stream is closed. */
+  refusedVersion(srcQp: number, psn: number, reason: string): void;
 }
 
 /** What acceptIncoming needs from the device. */
@@ -70,6 +75,8 @@ export class PendingStreams {
   /** Streams destroyed to make room (per-source or total bound) and for missing the HELLO deadline. */
   evicted = 0;
   timedOut = 0;
+  /** Streams whose HELLO was of another wire version (closed). */
+  versionRefused = 0;
 
   get size(): number {
     return this.count;
@@ -143,6 +150,9 @@ export function acceptIncoming(device: AcceptingDevice, accepted: net.Socket): v
   sock.once("close", () => pending.remove(entry));
   sock.setNoDelay(true);
   let hello: { qp: HelloTarget; srcQp: number; psn: number } | null = null;
+  // The first header as received: a HELLO of another version is read from it (the reader refuses it undecoded).
+  const first = Buffer.alloc(HEADER_LEN);
+  let firstFill = 0;
   const reader = new FrameReader(
     (h) => {
       reader.stopped = true;
@@ -152,9 +162,20 @@ export function acceptIncoming(device: AcceptingDevice, accepted: net.Socket): v
       else hello = { qp: target, srcQp: Number(h.op1), psn: h.psn };
     },
     () => {},
-    () => sock.destroy(),
+    (reason) => {
+      if (reason.startsWith(VERSION_MISMATCH) && first[0] === MAGIC) {
+        pending.versionRefused++;
+        if (first[2] === FrameType.HELLO) device.qps.get(first.readUInt32BE(28))?.refusedVersion(first.readUInt32BE(36), first.readUInt32BE(4), reason);
+      }
+      sock.destroy();
+    },
   );
   port.sink = (buf: Buffer, start: number, end: number): void => {
+    if (firstFill < HEADER_LEN) {
+      const n = Math.min(HEADER_LEN - firstFill, end - start);
+      buf.copy(first, firstFill, start, start + n);
+      firstFill += n;
+    }
     reader.feed(buf, start, end);
     if (reader.stopped) {
       port.sink = dropBytes;

@@ -1,20 +1,21 @@
 /**
- * Wire format of the tcp provider, version 1. The only module that knows the
+ * Wire format of the tcp provider, version 2. The only module that knows the
  * byte layout; docs/wire-format.md describes the same table.
  *
- * Each QP uses two TCP streams: the one it dials carries its requests and the
- * peer's responses to them; the one the peer dials carries the peer's
- * requests and this QP's responses. (RC orders each direction independently,
- * so two streams lose nothing and need no tie-break on who dials.) A request
- * may also carry the sender's cumulative ACK for the peer's requests (flag
- * ACK below), so acknowledgements can travel on either stream.
+ * Each QP uses one TCP stream, carrying both directions: this QP's requests
+ * and the peer's responses and ACKs to them, and the peer's requests and this
+ * QP's responses and ACKs. The frame type says which half a frame is for.
+ * The side whose endpoint compares lower (QP number, then port, PSN,
+ * address) dials and says HELLO first; the other side waits for it on its
+ * device's port. A request may also carry the sender's cumulative ACK for
+ * the peer's requests (flag ACK below), so a ping-pong needs no ACK frame.
  *
  * Every frame is a fixed 48-byte header followed by `payloadLen` bytes:
  *
  * | off | size | field      | meaning                                                        |
  * |-----|------|------------|----------------------------------------------------------------|
  * | 0   | 1    | magic      | 0xRD = 0xD7                                                    |
- * | 1   | 1    | version    | 1                                                              |
+ * | 1   | 1    | version    | 2 (1: the two-stream format, refused)                          |
  * | 2   | 1    | type       | FrameType                                                      |
  * | 3   | 1    | flags      | bit0 IMM present, bit1 SOLICITED, bit2 ACK (piggybacked ACK)   |
  * | 4   | 4    | psn        | packet sequence number of the request (24 bits used)           |
@@ -32,14 +33,15 @@
  * whose operand2 is the swap value): operand2 (< 2^24) carries the cumulative
  * ACK PSN of the reverse direction, exactly what a standalone ACK frame with
  * syndrome 0 would say, so a ping-pong hop costs one frame instead of two.
- * It travels on the other stream than the responses it acknowledges past, so
- * it may overtake a READ_RESP or ATOMIC_RESP still in flight: the receiver
- * completes nothing past an unanswered READ/ATOMIC until its response
- * arrives. Setting it is optional for senders; receivers must honour it.
+ * The receiver completes nothing past an unanswered READ/ATOMIC until its
+ * response arrives (a peer may write the ACK first). Setting it is optional
+ * for senders; receivers must honour it.
  */
 
 export const MAGIC = 0xd7;
-export const VERSION = 1;
+export const VERSION = 2;
+/** How decodeHeader's reason for a frame of another wire version begins (accept.ts counts those HELLOs). */
+export const VERSION_MISMATCH = "wire version";
 export const HEADER_LEN = 48;
 /** RC allows messages up to 2^31 bytes. */
 export const MAX_MESSAGE = 0x80000000;
@@ -197,7 +199,7 @@ export function encodeHeader(
 export function decodeHeader(b: Uint8Array, off: number, h: DecodedHeader): string | null {
   if (b[off] !== MAGIC) return `bad magic 0x${b[off]!.toString(16)}`;
   const ver = b[off + 1]!;
-  if (ver !== VERSION) return `wire version ${ver} not supported (this side speaks ${VERSION})`;
+  if (ver !== VERSION) return `${VERSION_MISMATCH} ${ver} not supported (this side speaks ${VERSION})`;
   h.type = b[off + 2]!;
   h.flags = b[off + 3]!;
   h.psn = getU32(b, off + 4);

@@ -33,7 +33,8 @@ export class FrameReader {
   constructor(
     public onHeader: (h: DecodedHeader) => void,
     public onPayloadDone: (h: DecodedHeader) => void,
-    public onMalformed: (reason: string) => void,
+    /** A header failed validation; `type` is its type byte as received (whatever it says). */
+    public onMalformed: (reason: string, type: number) => void,
     /** The target memory went away mid-payload: the rest of it is discarded. */
     public onRevoked: (h: DecodedHeader) => void = () => {},
   ) {}
@@ -88,7 +89,7 @@ export class FrameReader {
       const err = decodeHeader(src, at, this.h);
       if (err !== null) {
         this.stopped = true;
-        this.onMalformed(err);
+        this.onMalformed(err, src[at + 2]!);
         return;
       }
       this.targets = null;

@@ -97,7 +97,7 @@ export class NoProgressTimer {
       if (!this.host.outstanding()) return;
       if (!this.host.waitingOutRnr() && performance.now() - this.lastProgress >= limit) {
         const why = this.livenessMs > this.timeoutMs * (this.retryCnt + 1) ? `livenessMs ${this.livenessMs}` : `timeout ${this.timeoutMs.toFixed(1)} ms × ${this.retryCnt + 1} tries`;
-        this.host.expire(`no response from the peer within ${limit.toFixed(0)} ms (${why}; its streams are still open)`);
+        this.host.expire(`no response from the peer within ${limit.toFixed(0)} ms (${why}; its stream is still open)`);
         return;
       }
       prev = performance.now();

@@ -24,6 +24,8 @@ export interface QpDevice extends MemoryDevice {
   readonly port: number;
   /** Live QPs by number: the device's port hands them the streams that name them (accept.ts). */
   readonly qps: Map<number, HelloTarget>;
+  /** How long a stream may take to say HELLO; also how long a waiting QP waits for its peer's stream. */
+  readonly helloTimeoutMs: number;
   allocQpn(): number;
 }
 
@@ -41,13 +43,13 @@ export interface TcpQpStats {
   readonly acks: number;
   /** Requests written that carried a piggybacked ACK. */
   readonly piggybackedAcks: number;
-  /** Piggybacked ACKs received on the responder stream. */
+  /** Piggybacked ACKs received (on the peer's requests). */
   readonly piggybackedAcksReceived: number;
   /** Received piggybacked ACKs that overtook a READ/ATOMIC response and were held until it arrived. */
   readonly piggybackedAcksHeld: number;
   /** Duplicate ACKs the responder wrote to signal progress during a long request payload. */
   readonly progressAcks: number;
-  /** Times the responder stopped reading requests because its responses were not being read. */
+  /** Times the QP stopped reading its stream because its responses were not being read (and its own requests awaited nothing). */
   readonly requestPauses: number;
 }
 
@@ -63,9 +65,9 @@ export interface QpCore extends WindowOwner {
   readonly sendCq: TcpCq;
   readonly recvCq: TcpCq;
   readonly counters: QpCounters;
-  /** ERR: flush every WR, close the streams, tell the application when `notify`. */
+  /** ERR: flush every WR, close the stream, tell the application when `notify`. */
   enterError(reason: string, notify: boolean, type?: AsyncEventType): void;
-  /** A malformed or hostile frame on `stream`, found by `side`: ERR with a reason. */
+  /** A malformed or hostile frame for `stream`'s half, found by `side`: ERR with a reason. */
   protocolError(side: Side, reason: string, stream?: Side): void;
   /** A stream closed or failed: the oldest started WR fails with RETRY_EXC_ERR, then ERR. */
   connectionLost(reason: string): void;

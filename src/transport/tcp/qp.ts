@@ -1,26 +1,29 @@
 /**
  * The tcp provider's RC queue pair: state transitions, wiring and errors.
  *
- * A QP is two halves on two TCP streams (see codec.ts): the requester
- * (requester.ts; the stream this QP dials) and the responder (responder.ts;
- * the stream the peer dials, handed over by the device's port, accept.ts).
- * This file keeps what belongs to the QP as a whole:
+ * A QP is two halves on one TCP stream (see codec.ts): the requester
+ * (requester.ts) and the responder (responder.ts). The stream's reader hands
+ * requests to the responder and responses and ACKs to the requester. One
+ * side dials (the lower endpoint, dialsFirst); the other waits for the
+ * peer's stream, handed over by the device's port (accept.ts), at most the
+ * device's HELLO deadline. This file keeps what belongs to the QP as a whole:
  *
  * - states: created in INIT (receives may be posted), RTS after connect(),
  *   ERR on any error; checks of the caps and the connection attributes;
  * - the posting entry points, after the shared checks of ../validate.ts;
- * - the streams: dialing the peer, parking a peer's stream that arrives
- *   before connect() (at most PARKED_MAX, only the one matching the peer's
- *   endpoint is adopted);
+ * - the stream: dialing the peer or waiting for it (with a deadline),
+ *   parking a peer's stream that arrives before connect() (at most
+ *   PARKED_MAX, only the one matching the peer's endpoint is adopted);
  * - error and flush: after any error every outstanding and later WR
- *   completes with WR_FLUSH_ERR, receives included, and the streams close
+ *   completes with WR_FLUSH_ERR, receives included, and the stream closes
  *   so the peer learns at once.
  */
 import type * as net from "node:net";
 import { RdmaError, checkInt } from "../../errors.js";
 import { QpState, WcStatus, type AsyncEvent, type AsyncEventType, type Device, type Endpoint, type QpConnectAttr, type QpInitAttr, type QueuePair, type RecvWr, type SendWr } from "../types.js";
 import { validateQpAccess, validateQpCaps, validateRecvWr, validateSendWr } from "../validate.js";
-import { FrameType, ackTimeoutMs, encodeHeader } from "./codec.js";
+import { FrameType, ackTimeoutMs, encodeHeader, type DecodedHeader } from "./codec.js";
+import { FrameReader } from "./frame-reader.js";
 import type { TcpCq } from "./cq.js";
 import { DEFAULT_LIVENESS_MS } from "./liveness.js";
 import type { TcpMw } from "./memory.js";
@@ -33,9 +36,27 @@ export type { TcpQpStats } from "./qp-core.js";
 
 /**
  * After ERR the QP finishes writing what it queued (a NAK) before closing its
- * streams; a peer that does not read gets its streams destroyed after this long.
+ * stream; a peer that does not read gets its stream destroyed after this long.
  */
 const ERR_LINGER_MS = 2_000;
+
+/**
+ * Which side of a connection dials its one stream: the one whose endpoint
+ * compares lower by QP number, then port, then initial PSN, then address.
+ * Both sides compute it from the same two endpoints (the address comes last:
+ * a wildcard address may reach the peer rewritten).
+ */
+export function dialsFirst(local: { qpNum: number; port: number; psn: number; gid: string }, remote: { qpNum: number; port: number; psn: number; gid: string }): boolean {
+  if (local.qpNum !== remote.qpNum) return local.qpNum < remote.qpNum;
+  if (local.port !== remote.port) return local.port < remote.port;
+  if (local.psn !== remote.psn) return local.psn < remote.psn;
+  return local.gid <= remote.gid;
+}
+
+/** Request frames go to the responder; responses, ACKs (and anything else, refused there) to the requester. */
+function isRequest(type: number): boolean {
+  return type === FrameType.SEND || type === FrameType.WRITE || type === FrameType.READ_REQ || type === FrameType.ATOMIC;
+}
 /** Streams a QP keeps parked before connect(): a stranger's HELLO must not evict the real peer's stream. */
 const PARKED_MAX = 4;
 
@@ -61,19 +82,21 @@ export class TcpQueuePair implements QueuePair, QpCore {
   private parked: { sock: net.Socket; port: ReadPort; srcQp: number; psn: number; rest: Buffer | null }[] = [];
   private remote: Endpoint | null = null;
   private destroyed = false;
+  /** The QP's one stream (dialed, or the peer's adopted), null until it is up. */
+  private sock: net.Socket | null = null;
+  /** This side dials (dialsFirst); otherwise it waits for the peer's stream. */
+  private dials = false;
+  /** The waiting side's deadline for the peer's stream. */
+  private waitTimer: NodeJS.Timeout | null = null;
+  /** A byte arrived on the stream (the peer speaks this wire version). */
+  private heard = false;
 
   /** Frame counters (a snapshot). */
   get stats(): TcpQpStats {
     return { ...this.counters };
   }
 
-  // Tests look at these through a cast (test/tcp/hostile.test.ts, peer-death.test.ts).
-  private get reqSock(): net.Socket | null {
-    return this.req.sock;
-  }
-  private get respSock(): net.Socket | null {
-    return this.resp.sock;
-  }
+  // Tests look at these through a cast (test/tcp/hostile.test.ts, peer-death.test.ts; `sock` above too).
   private get rnrWait(): NodeJS.Timeout | null {
     return this.req.rnrWait;
   }
@@ -93,8 +116,17 @@ export class TcpQueuePair implements QueuePair, QpCore {
     this.sqSigAll = init.sqSigAll === true;
     checkInt("portNum", init.portNum ?? 1, 1, 1);
     const access = validateQpAccess(init.access);
-    this.req = new Requester(this, (sock) => this.resp.takePiggyback(sock));
-    this.resp = new Responder(this, access, (psn) => this.req.onPiggybackedAck(psn));
+    this.req = new Requester(
+      this,
+      (sock) => this.resp.takePiggyback(sock),
+      () => this.resp.requesterSent(),
+    );
+    this.resp = new Responder(
+      this,
+      access,
+      (psn) => this.req.onPiggybackedAck(psn),
+      () => this.req.awaitingPeer,
+    );
     this.qpNum = device.allocQpn();
     device.qps.set(this.qpNum, this);
     this.sendCq.qps.add(this);
@@ -145,22 +177,81 @@ export class TcpQueuePair implements QueuePair, QpCore {
     this.remote = { ...remote };
     this.state = QpState.RTS;
 
-    const port = new ReadPort();
-    const sock = dialData(remote.gid, remote.port, port);
-    // Like an idle verbs QP, the streams do not keep the process alive; an armed CQ with a handler does.
-    sock.unref();
-    this.req.attach(sock, port, `${remote.gid}:${remote.port}`);
-    sock.write(encodeHeader(FrameType.HELLO, 0, this.req.initialPsn, 0, 0, 0, 0, remote.qpNum, this.qpNum, 0));
+    const device = this.pd.device;
+    this.dials = dialsFirst({ qpNum: this.qpNum, port: device.port, psn: this.req.initialPsn, gid: device.host }, remote);
     const parked = this.parked;
     this.parked = [];
+    if (this.dials) {
+      for (const p of parked) p.sock.destroy();
+      const port = new ReadPort();
+      const sock = dialData(remote.gid, remote.port, port);
+      sock.write(encodeHeader(FrameType.HELLO, 0, this.req.initialPsn, 0, 0, 0, 0, remote.qpNum, this.qpNum, 0));
+      this.attach(sock, port, null, `${remote.gid}:${remote.port}`);
+      return;
+    }
     for (const p of parked) {
-      if (p.srcQp === remote.qpNum && p.psn === remote.psn && !this.resp.sock) this.incoming(p.sock, p.port, p.srcQp, p.psn, p.rest);
+      if (p.srcQp === remote.qpNum && p.psn === remote.psn && !this.sock) this.incoming(p.sock, p.port, p.srcQp, p.psn, p.rest);
       else p.sock.destroy();
     }
-    this.req.start();
+    if (this.sock) return;
+    const ms = device.helloTimeoutMs;
+    this.waitTimer = setTimeout(() => {
+      this.waitTimer = null;
+      if (this.state === QpState.RTS && !this.sock) {
+        this.req.failOldestStarted(WcStatus.RETRY_EXC_ERR);
+        this.enterError(`the peer ${remote.gid}:${remote.port} (QP ${remote.qpNum}) did not open its stream within ${ms} ms`, true, "QP_FATAL");
+      }
+    }, ms);
+    this.waitTimer.unref();
   }
 
-  /** An incoming stream for this QP (the peer's requests). Parked, paused, until connect() when it arrives early. */
+  /** The QP's one stream is up (dialed, or the peer's adopted): both halves use it, one reader feeds both. */
+  private attach(sock: net.Socket, port: ReadPort, rest: Buffer | null, peer: string): void {
+    if (this.waitTimer) clearTimeout(this.waitTimer);
+    this.waitTimer = null;
+    this.sock = sock;
+    // Like an idle verbs QP, the stream does not keep the process alive; an armed CQ with a handler does.
+    sock.unref();
+    const req = this.req;
+    const resp = this.resp;
+    const reader = new FrameReader(
+      (h) => {
+        if (isRequest(h.type)) resp.onRequestHeader(h);
+        else if (h.type === FrameType.HELLO) this.protocolError("responder", "unexpected frame type 1 (HELLO) after the stream's first frame");
+        else req.onResponseHeader(h);
+      },
+      (h) => {
+        if (isRequest(h.type)) resp.onRequestDone(h);
+        else req.onResponseDone(h);
+      },
+      (reason, type) => this.protocolError(type >= FrameType.ACK && type <= FrameType.ATOMIC_RESP ? "requester" : "responder", reason),
+      (h: DecodedHeader) => {
+        if (isRequest(h.type)) resp.onRequestRevoked(h);
+        else req.onResponseRevoked();
+      },
+    );
+    req.attach(sock, reader);
+    resp.attach(sock, reader);
+    const feed = (buf: Buffer, start: number, end: number): void => {
+      this.heard = true;
+      reader.feed(buf, start, end);
+      // Bytes of a response payload still arriving are progress too (a header is counted when it is taken).
+      if (reader.payloadLeft > 0 && reader.h.type === FrameType.READ_RESP) req.liveness.progress();
+      resp.afterChunk();
+    };
+    port.sink = feed;
+    sock.on("drain", () => {
+      resp.onDrain();
+      req.onDrain();
+    });
+    sock.on("error", (e) => this.connectionLost(`connection to peer ${peer} failed: ${e.message}`));
+    sock.on("close", () => this.connectionLost("peer closed the connection"));
+    if (rest) feed(rest, 0, rest.length);
+    sock.resume();
+    req.start();
+  }
+
+  /** The peer's stream for this QP (its HELLO named us). Parked, paused, until connect() when it arrives early. */
   incoming(sock: net.Socket, port: ReadPort, srcQp: number, psn: number, rest: Buffer | null): void {
     if (this.state === QpState.INIT) {
       // A stranger's HELLO must not evict the real peer's stream: keep a few, bounded.
@@ -172,11 +263,23 @@ export class TcpQueuePair implements QueuePair, QpCore {
       this.parked.push({ sock, port, srcQp, psn, rest });
       return;
     }
-    if (this.state !== QpState.RTS || !this.remote || srcQp !== this.remote.qpNum || psn !== this.remote.psn || this.resp.sock) {
+    if (this.state !== QpState.RTS || this.dials || !this.remote || srcQp !== this.remote.qpNum || psn !== this.remote.psn || this.sock) {
       sock.destroy();
       return;
     }
-    this.resp.attach(sock, port, rest);
+    this.attach(sock, port, rest, `${sock.remoteAddress ?? "?"}:${sock.remotePort ?? "?"}`);
+  }
+
+  /**
+   * A HELLO of another wire version naming this QP: when it comes from its
+   * peer (the one it waits for, or the one it dialed and has not heard from:
+   * a version-1 peer dials too), the QP fails with a reason naming both
+   * versions (the device closes that stream).
+   */
+  refusedVersion(srcQp: number, psn: number, reason: string): void {
+    if (this.state !== QpState.RTS || !this.remote || srcQp !== this.remote.qpNum || psn !== this.remote.psn) return;
+    if (this.dials ? this.heard : this.sock !== null) return;
+    this.enterError(`PROTOCOL: the peer's stream was refused: ${reason}`, true, "QP_FATAL");
   }
 
   // ---------------------------------------------------------------- posting
@@ -220,7 +323,7 @@ export class TcpQueuePair implements QueuePair, QpCore {
   protocolError(side: Side, reason: string, stream: Side = side): void {
     if (this.state === QpState.ERR) return;
     if (side === "requester") this.req.failFirstSent(WcStatus.BAD_RESP_ERR);
-    this.enterError(`malformed frame from peer on the ${stream} stream: ${reason}`, true, "QP_FATAL");
+    this.enterError(`malformed frame from peer for the ${stream}: ${reason}`, true, "QP_FATAL");
   }
 
   connectionLost(reason: string): void {
@@ -247,13 +350,17 @@ export class TcpQueuePair implements QueuePair, QpCore {
     // Flush: every unfinished WR completes with WR_FLUSH_ERR, in order; then the receives.
     this.req.flush();
     this.resp.flush();
-    // The peer learns at once (its streams close) instead of after its ACK timeout.
+    if (this.waitTimer) clearTimeout(this.waitTimer);
+    this.waitTimer = null;
+    // The peer learns at once (its stream closes) instead of after its ACK timeout.
     // Finish what we queued (a NAK, say), then stop reading: a peer that keeps streaming is not served.
-    for (const sock of [this.req.sock, this.resp.sock]) {
-      if (!sock) continue;
+    const sock = this.sock;
+    if (sock && !sock.destroyed) {
       sock.end(() => sock.destroy());
       // A peer that does not read would keep the stream (and what we queued) forever.
-      setTimeout(() => sock.destroy(), ERR_LINGER_MS).unref();
+      const linger = setTimeout(() => sock.destroy(), ERR_LINGER_MS);
+      linger.unref();
+      sock.once("close", () => clearTimeout(linger));
     }
     for (const p of this.parked) p.sock.destroy();
     this.parked = [];
@@ -269,8 +376,22 @@ export class TcpQueuePair implements QueuePair, QpCore {
     this.state = QpState.ERR;
     for (const mw of this.boundWindows) mw.unbind();
     this.boundWindows.clear();
+    if (this.waitTimer) clearTimeout(this.waitTimer);
+    this.waitTimer = null;
     this.req.destroy();
     this.resp.destroy();
+    const s = this.sock;
+    this.sock = null;
+    if (s && !s.destroyed) {
+      if (s.writableLength === 0) s.destroy();
+      else {
+        // What we queued (the owed ACK, say) still leaves, within a bound.
+        s.end(() => s.destroy());
+        const linger = setTimeout(() => s.destroy(), ERR_LINGER_MS);
+        linger.unref();
+        s.once("close", () => clearTimeout(linger));
+      }
+    }
     for (const p of this.parked) p.sock.destroy();
     this.parked = [];
     device.qps.delete(this.qpNum);

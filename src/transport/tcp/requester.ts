@@ -1,6 +1,7 @@
 /**
- * The requester half of a tcp QP: the send queue and the stream this QP
- * dials, which carries its requests and the peer's responses to them.
+ * The requester half of a tcp QP: the send queue, its requests on the QP's
+ * one stream, and the peer's responses and ACKs to them (the QP's reader
+ * hands it those frames; qp.ts).
  *
  * Invariants it owns:
  * - entries get consecutive PSNs when first transmitted and complete strictly
@@ -8,8 +9,9 @@
  * - an ACK completes what it covers; a NAK fails the entry it names; a
  *   READ/atomic response must match the oldest outstanding entry exactly
  *   (PSN, kind, length), anything else is a protocol error;
- * - a piggybacked ACK (it travels on the other stream) completes nothing
- *   past a READ/atomic whose response has not arrived yet;
+ * - a piggybacked ACK completes nothing past a READ/atomic whose response
+ *   has not arrived yet (a peer that writes them out of order is obeyed no
+ *   further than that);
  * - fences hold a WR until earlier READs/atomics finish; at most
  *   `maxRdAtomic` READs/atomics are outstanding;
  * - RNR NAK: go back N after the responder's timer, at most `rnrRetry` times
@@ -21,11 +23,10 @@ import { randomInt } from "node:crypto";
 import { RdmaError } from "../../errors.js";
 import { QpState, WcStatus, WrOpcode, type SendWr } from "../types.js";
 import { FrameFlags, FrameType, HEADER_LEN, Syndrome, encodeHeader, rnrTimerMs, type DecodedHeader } from "./codec.js";
-import { FrameReader } from "./frame-reader.js";
+import type { FrameReader } from "./frame-reader.js";
 import { NoProgressTimer } from "./liveness.js";
 import { bindWindow, invalidateWindow, localView, mrsAlive, type TcpMr } from "./memory.js";
 import { PSN_MASK, psnBefore, type QpCore } from "./qp-core.js";
-import type { ReadPort } from "./read-path.js";
 import { ENTRY_DONE, ENTRY_QUEUED, ENTRY_SENT, isReadOrAtomic, makeEntry, wcByteLen, wcOpcodeOf, type SqEntry } from "./send-queue.js";
 
 /**
@@ -44,7 +45,7 @@ export class Requester {
   /** The PSN of the first request (the peer's expected PSN; sent in the endpoint and the HELLO). */
   readonly initialPsn = this.nextPsn;
   private outstandingRd = 0;
-  /** The stream this QP dialed (null before connect and after destroy). */
+  /** The QP's stream (null until it is up, and after destroy). */
   sock: net.Socket | null = null;
   private reader: FrameReader | null = null;
   private drainWait = false;
@@ -74,11 +75,18 @@ export class Requester {
 
   /**
    * @param takePiggyback the responder's owed ACK for the request header about to be written (-1: none).
+   * @param transmitted called after requests were written (the responder reads again if it paused: their responses must get in).
    */
   constructor(
     private readonly qp: QpCore,
     private readonly takePiggyback: (sock: net.Socket) => number,
+    private readonly transmitted: () => void,
   ) {}
+
+  /** Requests are posted and not finished: their responses and ACKs must keep being read. */
+  get awaitingPeer(): boolean {
+    return this.sqHead < this.sq.length;
+  }
 
   configure(attr: { timeoutMs: number; retryCnt: number; rnrRetry: number; maxRdAtomic: number; livenessMs: number }): void {
     this.liveness.configure(attr.timeoutMs, attr.retryCnt, attr.livenessMs);
@@ -86,27 +94,16 @@ export class Requester {
     this.maxRdAtomic = attr.maxRdAtomic;
   }
 
-  /** Takes the dialed stream: responses and ACKs arrive on it, requests leave on it. */
-  attach(sock: net.Socket, port: ReadPort, peer: string): void {
+  /** Takes the QP's stream (its frames reach onResponseHeader/onResponseDone through `reader`): requests leave on it. */
+  attach(sock: net.Socket, reader: FrameReader): void {
     this.sock = sock;
-    const reader = new FrameReader(
-      (h) => this.onResponseHeader(h),
-      (h) => this.onResponseDone(h),
-      (reason) => this.qp.protocolError("requester", reason),
-      () => this.onResponseRevoked(),
-    );
     this.reader = reader;
-    port.sink = (buf: Buffer, start: number, end: number): void => {
-      // Any byte from the peer on this stream (ACK, NAK, response, part of one) is progress.
-      this.liveness.progress();
-      reader.feed(buf, start, end);
-    };
-    sock.on("drain", () => {
-      this.drainWait = false;
-      this.pump();
-    });
-    sock.on("error", (e) => this.qp.connectionLost(`connection to peer ${peer} failed: ${e.message}`));
-    sock.on("close", () => this.qp.connectionLost("peer closed the connection"));
+  }
+
+  /** The stream drained: send what waited for it. */
+  onDrain(): void {
+    this.drainWait = false;
+    this.pump();
   }
 
   /** The QP reached RTS with its stream attached: send what was posted. */
@@ -154,6 +151,7 @@ export class Requester {
       this.wrotePending = false;
       if (wasIdle) this.liveness.progress();
       this.liveness.arm();
+      this.transmitted();
     }
     this.completeInOrder();
   }
@@ -330,10 +328,10 @@ export class Requester {
   }
 
   /**
-   * A cumulative ACK piggybacked on one of the peer's requests. It came on the
-   * other stream than the responses, so it may overtake the response to a READ
-   * or atomic: complete up to the first such unanswered entry and remember the
-   * PSN; onResponseDone carries on from there (ackToMark).
+   * A cumulative ACK piggybacked on one of the peer's requests. A peer may
+   * write it before the response to an earlier READ or atomic: complete up to
+   * the first such unanswered entry and remember the PSN; onResponseDone
+   * carries on from there (ackToMark).
    */
   onPiggybackedAck(psn: number): void {
     this.qp.counters.piggybackedAcksReceived++;
@@ -358,7 +356,7 @@ export class Requester {
       const e = this.sq[i]!;
       if (e.state !== ENTRY_SENT) continue;
       if (psnBefore(mark, e.psn)) break;
-      // Its response is still on the way on the other stream: keep the mark until it is in.
+      // Its response is still on the way: keep the mark until it is in.
       if (isReadOrAtomic(e.opcode)) return false;
       e.state = ENTRY_DONE;
     }
@@ -366,7 +364,7 @@ export class Requester {
     return true;
   }
 
-  private onResponseHeader(h: DecodedHeader): void {
+  onResponseHeader(h: DecodedHeader): void {
     if (this.qp.state !== QpState.RTS) {
       this.reader?.place(null);
       return;
@@ -411,11 +409,11 @@ export class Requester {
         return;
       }
       default:
-        return this.qp.protocolError("requester", `unexpected frame type ${h.type} on the requester stream`);
+        return this.qp.protocolError("requester", `unexpected frame type ${h.type} for the requester`);
     }
   }
 
-  private onResponseDone(h: DecodedHeader): void {
+  onResponseDone(h: DecodedHeader): void {
     const e = this.respTargetEntry;
     if (e === null || this.qp.state !== QpState.RTS) return;
     this.respTargetEntry = null;
@@ -434,7 +432,7 @@ export class Requester {
   }
 
   /** A READ's local target was deregistered while the response arrived: local protection error. */
-  private onResponseRevoked(): void {
+  onResponseRevoked(): void {
     const e = this.respTargetEntry;
     if (e === null || this.qp.state !== QpState.RTS) return;
     this.respTargetEntry = null;
@@ -514,12 +512,11 @@ export class Requester {
     this.completeInOrder();
   }
 
-  /** The QP is destroyed: no completions, no timers, no stream. */
+  /** The QP is destroyed: no completions, no timers (the QP closes the stream). */
   destroy(): void {
     if (this.rnrWait) clearTimeout(this.rnrWait);
     this.rnrWait = null;
     this.liveness.stop();
-    this.sock?.destroy();
     this.sock = null;
     this.sq = [];
   }

@@ -1,6 +1,7 @@
 /**
- * The responder half of a tcp QP: the receive queue and the stream the peer
- * dialed, which carries the peer's requests and this QP's responses.
+ * The responder half of a tcp QP: the receive queue, the peer's requests
+ * (the QP's reader hands it those frames; qp.ts) and this QP's responses and
+ * ACKs to them, written on the QP's one stream.
  *
  * Invariants it owns:
  * - requests are taken strictly in PSN order; after an RNR NAK everything up
@@ -16,23 +17,21 @@
  *   once past ACK_EAGER_REQUESTS; during a long payload a progress ACK at most
  *   every PROGRESS_INTERVAL_MS;
  * - back-pressure: while more than RESP_PAUSE_BYTES of responses wait for a
- *   peer that does not read them, its requests are not read either.
+ *   peer that does not read them, and this QP's own requests wait for
+ *   nothing, the stream is not read (so neither are the peer's requests).
+ *   While our own requests are outstanding it is always read: their
+ *   responses and ACKs share the stream, and two sides both paused would wait
+ *   for each other forever. What a peer can then make us queue is still
+ *   bounded: READ/atomic responses by maxDestRdAtomic, ACKs by coalescing.
  */
 import type * as net from "node:net";
 import { RdmaError } from "../../errors.js";
 import { Access, QpState, WcFlags, WcOpcode, WcStatus, type Sge } from "../types.js";
-import { FrameFlags, FrameType, Syndrome, encodeHeader, type DecodedHeader } from "./codec.js";
-import { FrameReader } from "./frame-reader.js";
+import { FrameFlags, FrameType, HEADER_LEN, Syndrome, encodeHeader, type DecodedHeader } from "./codec.js";
+import type { FrameReader } from "./frame-reader.js";
 import { localView, mrsAlive, type TcpMr } from "./memory.js";
 import { PSN_MASK, type QpCore } from "./qp-core.js";
-import type { ReadPort } from "./read-path.js";
 
-/**
- * A piggybacked ACK rides on a request only while the requester stream has at
- * most this much queued before it: behind a long queue it would reach the peer
- * later than a standalone ACK on the idle response stream.
- */
-const PIGGYBACK_MAX_QUEUED = 64 * 1024;
 /**
  * Many small requests do not wait for the end of the turn: once the ACK owed
  * covers this many requests it goes out right after the chunk, so a requester
@@ -48,9 +47,10 @@ const ACK_EAGER_REQUESTS = 16;
 const PROGRESS_MIN_PAYLOAD = 1 << 20;
 const PROGRESS_INTERVAL_MS = 4;
 /**
- * The responder stops reading a peer's requests while more than this many
- * bytes of its responses wait in user space (the peer does not read them),
- * and reads again on 'drain'. Bounds what a peer can make us queue.
+ * The responder stops reading the stream while more than this many bytes of
+ * its responses and ACKs wait in user space (the peer does not read them) and
+ * the QP's own requests wait for nothing; it reads again once they drain, or
+ * as soon as the QP sends a request. Bounds what a peer can make us queue.
  */
 const RESP_PAUSE_BYTES = 1 << 20;
 
@@ -62,7 +62,7 @@ interface RqEntry {
 export class Responder {
   private rq: RqEntry[] = [];
   private rqHead = 0;
-  /** The stream the peer dialed (null until adopted, and after destroy). */
+  /** The QP's stream (null until it is up, and after destroy). */
   sock: net.Socket | null = null;
   private reader: FrameReader | null = null;
   private ePsn = 0;
@@ -79,8 +79,10 @@ export class Responder {
   private progressAt = 0;
   /** READ/atomic responses written but not yet handed to the kernel: requests still outstanding at the peer. */
   private respUnflushed = 0;
-  /** The request stream is paused until the response stream drains. */
+  /** The stream is paused until our responses drain (or our requester sends). */
   private respPaused = false;
+  /** Bytes of responses and ACKs written and not yet taken by the kernel (our own requests are not counted). */
+  private respQueued = 0;
   private minRnrTimer = 12;
   private maxDestRdAtomic = 16;
   private remoteGuard: (() => boolean) | null = null;
@@ -89,11 +91,13 @@ export class Responder {
   /**
    * @param access the QP's access flags (which remote operations the peer may target at it).
    * @param onPiggybackedAck the requester's handler for an ACK a request carried.
+   * @param requesterBusy whether the QP's own requests await responses or ACKs (then the stream is never paused).
    */
   constructor(
     private readonly qp: QpCore,
     private readonly access: number,
     private readonly onPiggybackedAck: (psn: number) => void,
+    private readonly requesterBusy: () => boolean,
   ) {}
 
   /** RTR: the peer's first PSN, our RNR timer and responder resources. */
@@ -103,33 +107,35 @@ export class Responder {
     this.maxDestRdAtomic = maxDestRdAtomic;
   }
 
-  /** Takes the peer's request stream (its HELLO already matched) and starts reading it after `rest`. */
-  attach(sock: net.Socket, port: ReadPort, rest: Buffer | null): void {
+  /** Takes the QP's stream (the peer's requests reach onRequestHeader/onRequestDone through `reader`). */
+  attach(sock: net.Socket, reader: FrameReader): void {
     this.sock = sock;
-    sock.unref();
-    const reader = new FrameReader(
-      (h) => this.onRequestHeader(h),
-      (h) => this.onRequestDone(h),
-      (reason) => this.qp.protocolError("responder", reason),
-      (h) => this.onRequestRevoked(h),
-    );
     this.reader = reader;
-    const feed = (buf: Buffer, start: number, end: number): void => {
-      reader.feed(buf, start, end);
-      this.scheduleAck();
-      if (reader.payloadLeft > 0) this.signalProgress(reader.h);
-      this.throttleRequests(sock);
-    };
-    port.sink = feed;
-    sock.on("drain", () => {
-      if (!this.respPaused) return;
-      this.respPaused = false;
-      if (this.qp.state === QpState.RTS) sock.resume();
-    });
-    sock.on("error", () => {});
-    sock.on("close", () => this.qp.connectionLost("peer closed the connection"));
-    if (rest) feed(rest, 0, rest.length);
-    sock.resume();
+  }
+
+  /** After each chunk the stream delivered: the owed ACK, progress during a long request, back-pressure. */
+  afterChunk(): void {
+    const reader = this.reader!;
+    this.scheduleAck();
+    if (reader.payloadLeft > 0 && (reader.h.type === FrameType.SEND || reader.h.type === FrameType.WRITE)) this.signalProgress(reader.h);
+    if (!this.respPaused && this.respQueued > RESP_PAUSE_BYTES) this.throttle();
+  }
+
+  /** The stream drained: read again if we paused. */
+  onDrain(): void {
+    this.respQueued = 0;
+    this.unpause();
+  }
+
+  /** Our requester wrote requests: their responses must be read, so a paused stream reads again. */
+  requesterSent(): void {
+    if (this.respPaused) this.unpause();
+  }
+
+  private unpause(): void {
+    if (!this.respPaused) return;
+    this.respPaused = false;
+    if (this.qp.state === QpState.RTS) this.sock?.resume();
   }
 
   // ---------------------------------------------------------- receive queue
@@ -154,15 +160,10 @@ export class Responder {
     this.rqHead = 0;
   }
 
+  /** The QP is destroyed (it closes the stream itself). */
   destroy(): void {
-    const s = this.sock;
     this.sock = null;
     this.rq = [];
-    if (!s || s.destroyed) return;
-    if (s.writableLength === 0) return void s.destroy();
-    // What we queued (the owed ACK, say) still leaves, within a bound.
-    s.end(() => s.destroy());
-    setTimeout(() => s.destroy(), 2000).unref();
   }
 
   /**
@@ -182,9 +183,9 @@ export class Responder {
    * (-1: none to carry). Only called right before the header is written, so a
    * request that does not go out (flow control, RNR wait) never swallows it.
    */
-  readonly takePiggyback = (sock: net.Socket): number => {
+  readonly takePiggyback = (_sock: net.Socket): number => {
     const p = this.ackPending;
-    if (p < 0 || sock.writableLength > PIGGYBACK_MAX_QUEUED) return -1;
+    if (p < 0) return -1;
     this.clearAckOwed();
     this.qp.counters.piggybackedAcks++;
     return p;
@@ -196,42 +197,53 @@ export class Responder {
     // READ/atomic responses hold a responder resource until the kernel has them (see maxDestRdAtomic).
     const resource = type === FrameType.READ_RESP || type === FrameType.ATOMIC_RESP;
     if (resource) this.respUnflushed++;
+    this.respQueued += HEADER_LEN;
     if (payload && payload.length > 0) {
+      this.respQueued += payload.length;
+      const n = payload.length;
       s.cork();
-      s.write(encodeHeader(type, 0, psn, payload.length, 0, 0, 0, aux, op1, op2));
+      s.write(encodeHeader(type, 0, psn, payload.length, 0, 0, 0, aux, op1, op2), this.hdrFlushed);
       if (from) {
         from.retainForWrite();
-        s.write(
-          payload,
-          resource
-            ? () => {
-                from.writeDone();
-                this.respFlushed();
-              }
-            : from.writeDone,
-        );
-      } else s.write(payload, resource ? this.respFlushed : undefined);
+        s.write(payload, () => {
+          from.writeDone();
+          this.payloadFlushed(n, resource);
+        });
+      } else s.write(payload, () => this.payloadFlushed(n, resource));
       s.uncork();
     } else {
-      s.write(encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2), resource ? this.respFlushed : undefined);
+      s.write(encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2), resource ? this.respFlushed : this.hdrFlushed);
     }
   }
 
+  /** A response's own header (and, for an ATOMIC_RESP, the response) was taken by the kernel. */
   private readonly respFlushed = (): void => {
     this.respUnflushed--;
+    this.hdrFlushed();
   };
+
+  private readonly hdrFlushed = (): void => {
+    if (this.respQueued >= HEADER_LEN) this.respQueued -= HEADER_LEN;
+    if (this.respPaused && this.respQueued <= RESP_PAUSE_BYTES) this.unpause();
+  };
+
+  private payloadFlushed(n: number, resource: boolean): void {
+    if (resource) this.respUnflushed--;
+    this.respQueued = this.respQueued >= n ? this.respQueued - n : 0;
+    if (this.respPaused && this.respQueued <= RESP_PAUSE_BYTES) this.unpause();
+  }
 
   /**
    * Back-pressure on the responder: while more than RESP_PAUSE_BYTES of
    * responses and ACKs wait in user space for a peer that does not read them,
-   * its request stream is not read either ('drain' resumes it).
+   * the stream is not read, unless our own requests await their responses
+   * (they share the stream: pausing then could deadlock two busy sides).
    */
-  private throttleRequests(sock: net.Socket): void {
-    if (!this.respPaused && sock.writableLength > RESP_PAUSE_BYTES && this.qp.state === QpState.RTS) {
-      this.respPaused = true;
-      this.qp.counters.requestPauses++;
-      sock.pause();
-    }
+  private throttle(): void {
+    if (this.qp.state !== QpState.RTS || this.requesterBusy()) return;
+    this.respPaused = true;
+    this.qp.counters.requestPauses++;
+    this.sock?.pause();
   }
 
   private flushAck(): void {
@@ -347,7 +359,7 @@ export class Responder {
     return r;
   }
 
-  private onRequestHeader(h: DecodedHeader): void {
+  onRequestHeader(h: DecodedHeader): void {
     const reader = this.reader!;
     // The ACK for our own requests counts even when the request carrying it is discarded (RNR, ERR).
     if (h.flags & FrameFlags.ACK && this.qp.state === QpState.RTS) this.onPiggybackedAck(h.op2Lo);
@@ -439,7 +451,7 @@ export class Responder {
         return;
       }
       default:
-        return this.qp.protocolError("responder", `unexpected frame type ${h.type} on the responder stream`);
+        return this.qp.protocolError("responder", `unexpected frame type ${h.type} for the responder`);
     }
   }
 
@@ -464,14 +476,14 @@ export class Responder {
   }
 
   /** The target of an incoming WRITE/SEND went away mid-payload: remote access error, as an HCA would answer. */
-  private onRequestRevoked(h: DecodedHeader): void {
+  onRequestRevoked(h: DecodedHeader): void {
     if (this.respDiscard || this.qp.state !== QpState.RTS) return;
     if (this.curRecv) this.qp.recvCq.push(this.curRecv.wrId, WcStatus.LOC_PROT_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
     this.curRecv = null;
     this.nak(h.psn, h.type === FrameType.SEND ? Syndrome.NAK_REM_OP : Syndrome.NAK_REM_ACCESS, "target memory was deregistered while its data arrived");
   }
 
-  private onRequestDone(h: DecodedHeader): void {
+  onRequestDone(h: DecodedHeader): void {
     if (this.respDiscard || this.qp.state !== QpState.RTS) return;
     this.ePsn = (this.ePsn + 1) & PSN_MASK;
     const r = this.curRecv;
