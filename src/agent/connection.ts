@@ -31,7 +31,7 @@ import {
   type QueuePair,
   type SendWr,
 } from "../transport/types.js";
-import { LocalMemory, LocalMr, type RemoteLease, type RemoteMr } from "../memory/mr.js";
+import { LocalMemory, LocalMr, type RemoteMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { abortError } from "./queue.js";
 import { HDR, MsgType, dataImm, dataLength, decodeMsg, encodeData, encodeMsg, fromWire, newMsg, toWire, type CtrlMessage, type Msg } from "./codec.js";
@@ -42,6 +42,7 @@ import { OpTable, newOp, type Op } from "./ops.js";
 import { CTRL_BUF, HeaderPool, SendLanes, type Pending } from "./send-lanes.js";
 import { RecvRing } from "./recv-ring.js";
 import { Rendezvous } from "./rendezvous.js";
+import { OneSided } from "./one-sided.js";
 import { Liveness } from "./liveness.js";
 import { MemoryProtocol, type CtrlMsg, type MemoryHost, type PeerLimits } from "./memory-protocol.js";
 import type { Share } from "./shares.js";
@@ -55,13 +56,6 @@ import type { PollingMode } from "./poller.js";
 export type { PollingMode };
 
 export type { ConnectionOptions, PeerParams } from "./options.js";
-
-/**
- * One-sided transfers are posted as work requests of at most this many bytes
- * (one operation, one promise): completions keep coming during a long
- * transfer, so progress is visible to the peer timeout.
- */
-export const CHUNK_BYTES = 8 << 20;
 
 /** @internal */
 export class Connection implements MemoryHost {
@@ -85,6 +79,8 @@ export class Connection implements MemoryHost {
   private readonly inbox: Inbox;
   /** Large messages both ways (rendezvous.ts). */
   private readonly rndv: Rendezvous;
+  /** WRITE, READ and the atomics (one-sided.ts). */
+  private readonly oneSided: OneSided;
   /** Bounce memory for rendezvous messages of mid size (bounce.ts). */
   private readonly bounce: Bounce;
   readonly memory: MemoryProtocol;
@@ -109,6 +105,7 @@ export class Connection implements MemoryHost {
     this.ops = new OpTable((op, err) => this.dropQueued(op, this.lanes.remove(op), err));
     this.lanes = new SendLanes(this, this.cr, opts.sendDepth, this.traffic);
     this.headers = new HeaderPool(pool, opts.sendDepth, () => this.closed);
+    this.oneSided = new OneSided({ checkOpen: (what) => this.checkOpen(what), enqueue: (p) => this.lanes.enqueue(p) }, this.ops, pool, this);
     this.recvs = new RecvRing(
       {
         ended: () => this.closed || this.failure !== null,
@@ -145,7 +142,7 @@ export class Connection implements MemoryHost {
         dropQueued: (op, parts, err) => this.dropQueued(op, parts, err),
         watchAbort: (signal, fn) => this.ops.aborts.add(signal, fn),
         sendCtrl: (m) => this.sendCtrl(m),
-        read: (op, dst, addr, rkey) => this.postTransfer(op, WrOpcode.RDMA_READ, dst, addr, rkey, undefined, 0, true),
+        read: (op, dst, addr, rkey) => this.oneSided.transfer(op, WrOpcode.RDMA_READ, dst, addr, rkey, undefined, 0, true),
         awaitAnswer: () => (this.live.awaitingAnswer = true),
         protocolError: (reason) => this.protocolError(reason),
         delivered: (len) => {
@@ -326,97 +323,17 @@ export class Connection implements MemoryHost {
     this.traffic.bytesSent += len;
   }
 
-  /**
-   * Posts a one-sided transfer as work requests of at most CHUNK_BYTES each
-   * (one op, settled when the last completes; a WRITE_WITH_IMM carries its
-   * immediate on the last one, which RC orders after the others).
-   */
-  private postTransfer(op: Op, opcode: (typeof WrOpcode)[keyof typeof WrOpcode], lmr: LocalMr, remoteAddr: number, rkey: number, imm: number | undefined, credit: number, internal = false, lease?: RemoteLease): void {
-    const len = lmr.length;
-    const n = Math.max(1, Math.ceil(len / CHUNK_BYTES));
-    op.parts = n;
-    const sge = len > 0 ? lmr.sge() : null;
-    for (let i = 0; i < n; i++) {
-      const off = i * CHUNK_BYTES;
-      const last = i === n - 1;
-      const part = Math.min(CHUNK_BYTES, len - off);
-      const wr: SendWr = {
-        wrId: 0,
-        opcode: last || opcode !== WrOpcode.RDMA_WRITE_WITH_IMM ? opcode : WrOpcode.RDMA_WRITE,
-        flags: SendFlags.SIGNALED,
-        sgList: sge ? [{ addr: sge.addr + off, length: part, lkey: sge.lkey }] : [],
-        remoteAddr: remoteAddr + off,
-        rkey,
-      };
-      if (last && imm !== undefined) wr.imm = imm;
-      this.lanes.enqueue({ wr, op, credit: last ? credit : 0, hdr: null, internal, lease });
-    }
-  }
-
-  /**
-   * The one check of who may use a RemoteMr: the connection it came from
-   * (the memory protocol records it in `lease.owner` when the region
-   * arrives). Its rkey is valid only there (the peer registered it in that
-   * connection's protection domain), so any other connection refuses it here,
-   * before anything is posted, instead of dying of a remote access error.
-   */
-  private checkRemote(rmr: RemoteMr, what: string): void {
-    if (rmr.lease.owner !== null && rmr.lease.owner !== this) {
-      throw new RdmaError("INVALID_ARGUMENT", `${what}: this RemoteMr was granted, lent or shared to another connection: its rkey is valid only there (the peer registered it in that connection's protection domain)`);
-    }
-    rmr.lease.check(what);
-    // The rights the owner gave (its registration enforces them too): refused before posting.
-    const need = what === "read" ? null : what === "write" || what === "writeWithImm" ? "write" : what === "fetchAndAdd" || what === "compareAndSwap" ? "atomic" : null;
-    if ((need === "write" && rmr.access === "read") || (need === "atomic" && rmr.access !== "atomic")) {
-      throw new RdmaError("REMOTE_ACCESS", `${what}: the owner gave ${rmr.access} access to this region (${rmr.access === "read" ? "read only" : "read and write, no atomics"})`);
-    }
-  }
-
   /** One-sided WRITE (optionally with immediate, which consumes a peer receive and so a credit). */
   write(lmr: LocalMr, rmr: RemoteMr, imm: number | undefined, signal?: AbortSignal): Promise<void> {
-    const what = imm === undefined ? "write" : "writeWithImm";
-    this.checkOpen(what);
-    lmr.mem.check(what);
-    this.checkRemote(rmr, what);
-    Connection.checkSignal(signal);
-    if (lmr.length > rmr.length) throw new RdmaError("OUT_OF_RANGE", `write of ${lmr.length} bytes into a ${rmr.length}-byte remote region`);
-    const op = newOp("write");
-    lmr.mem.inflight++;
-    op.mems.push(lmr.mem);
-    const p = this.ops.track<void>(op, signal);
-    this.postTransfer(op, imm === undefined ? WrOpcode.RDMA_WRITE : WrOpcode.RDMA_WRITE_WITH_IMM, lmr, rmr.addr, rmr.rkey, imm, imm === undefined ? 0 : 2, false, rmr.lease);
-    return p;
+    return this.oneSided.write(lmr, rmr, imm, signal);
   }
 
   read(lmr: LocalMr, rmr: RemoteMr, signal?: AbortSignal): Promise<void> {
-    this.checkOpen("read");
-    lmr.mem.check("read");
-    this.checkRemote(rmr, "read");
-    Connection.checkSignal(signal);
-    if (lmr.length > rmr.length) throw new RdmaError("OUT_OF_RANGE", `read of ${lmr.length} bytes from a ${rmr.length}-byte remote region`);
-    const op = newOp("read");
-    lmr.mem.inflight++;
-    op.mems.push(lmr.mem);
-    const p = this.ops.track<void>(op, signal);
-    this.postTransfer(op, WrOpcode.RDMA_READ, lmr, rmr.addr, rmr.rkey, undefined, 0, false, rmr.lease);
-    return p;
+    return this.oneSided.read(lmr, rmr, signal);
   }
 
   atomic(rmr: RemoteMr, opcode: typeof WrOpcode.ATOMIC_CMP_AND_SWP | typeof WrOpcode.ATOMIC_FETCH_AND_ADD, compareAdd: bigint, swap: bigint, signal?: AbortSignal): Promise<bigint> {
-    const what = opcode === WrOpcode.ATOMIC_CMP_AND_SWP ? "compareAndSwap" : "fetchAndAdd";
-    this.checkOpen(what);
-    this.checkRemote(rmr, what);
-    Connection.checkSignal(signal);
-    if (rmr.length < 8) throw new RdmaError("OUT_OF_RANGE", `${what} needs 8 bytes of remote memory, the region has ${rmr.length}`);
-    // Checked here: on the wire a misaligned atomic is a fatal error for the whole connection.
-    if (rmr.addr % 8 !== 0) throw new RdmaError("INVALID_ARGUMENT", `${what} needs an 8-byte aligned remote address (0x${rmr.addr.toString(16)})`);
-    const op = newOp("atomic");
-    const res = new LocalMemory(this.pool, this.pool.alloc(8));
-    op.result = res;
-    const p = this.ops.track<bigint>(op, signal);
-    const a = res.alloc;
-    this.lanes.enqueue({ wr: { wrId: 0, opcode, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: 8, lkey: a.mr.lkey }], remoteAddr: rmr.addr, rkey: rmr.rkey, compareAdd, swap }, op, credit: 0, hdr: null, lease: rmr.lease });
-    return p;
+    return this.oneSided.atomic(rmr, opcode, compareAdd, swap, signal);
   }
 
   /** Next message in arrival order (eager and rendezvous alike). */
@@ -455,14 +372,14 @@ export class Connection implements MemoryHost {
 
   /** Asks the owner to extend a granted or lent region's lease. */
   renew(rmr: RemoteMr, leaseMs: number, signal?: AbortSignal): Promise<void> {
-    this.checkRemote(rmr, "renew");
+    this.oneSided.checkRemote(rmr, "renew");
     return this.memory.renew(rmr, leaseMs, signal);
   }
 
   /** Gives a remote region back to its owner, who receives it with receiveLocalMr. */
   sendRemoteMr(rmr: RemoteMr, signal?: AbortSignal): Promise<void> {
     this.checkOpen("sendRemoteMr");
-    this.checkRemote(rmr, "sendRemoteMr");
+    this.oneSided.checkRemote(rmr, "sendRemoteMr");
     return this.memory.giveBack(rmr, signal);
   }
 

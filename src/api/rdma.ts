@@ -208,7 +208,7 @@ export class Rdma {
     return v;
   }
 
-  /** A RemoteMr; whether this connection may use it (the one it came from) is the agent's check (Connection.checkRemote). */
+  /** A RemoteMr; whether this connection may use it (the one it came from) is the agent's check (OneSided.checkRemote, agent/one-sided.ts). */
   private rmr(v: unknown, name: string): RemoteMr {
     if (!(v instanceof RemoteMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a RemoteMr (from requestRemoteMr or receiveRemoteMr)`);
     return v;
