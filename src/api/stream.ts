@@ -215,10 +215,20 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     this.destroy(new RdmaError("PROTOCOL", `stream: ${what}`));
   }
 
-  /** A receive loop ended with `e`: the normal end once both directions ended, a reset otherwise. */
+  /** Receive loops still running (the messages', and the ring's once it exists). */
+  private loops = 0;
+
+  /**
+   * A receive loop ended with `e`. Each loop takes everything queued before
+   * its failure, so once both have ended a closed connection means: the
+   * normal end if both directions had ended, a reset otherwise (one loop
+   * alone cannot tell: the FIN may still wait in the other's queue).
+   */
   private loopFailed(e: unknown): void {
+    this.loops--;
     if (this.destroyed) return;
     if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") {
+      if (this.loops > 0) return;
       // The peer closes once both directions ended: after its FIN and ours, that is the normal end.
       if (this.peerFin && (this.writableFinished || this.finSent)) return void this.destroy();
       this.destroy(new RdmaError("CONNECTION_CLOSED", "stream: the peer closed the connection before ending the stream (reset)"));
@@ -234,6 +244,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
 
   /** Takes every control message the peer sends, as it arrives. */
   private pump(rdma: C): void {
+    this.loops++;
     const next = (): void => {
       if (this.destroyed) return;
       rdma.receive({ signal: this.stop.signal }).then(
@@ -279,7 +290,8 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
               (e: unknown) => {
                 if (this.destroyed) return;
                 if (e instanceof RdmaError && e.code === "NOT_FOUND") return this.protocol(`the peer's ring cannot be opened (${e.message})`);
-                this.loopFailed(e);
+                if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") return; // the message loop decides
+                this.destroy(e instanceof Error ? e : new Error(String(e)));
               },
             );
             return next();
@@ -315,6 +327,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
 
   /** Takes each chunk the peer WRITEs into the ring, as it arrives (the ring credit bounds them). */
   private drainRing(rdma: C): void {
+    this.loops++;
     const next = (): void => {
       if (this.destroyed) return;
       rdma.receiveWriteImm({ signal: this.stop.signal }).then((len) => {
