@@ -109,9 +109,8 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   /** The peer's ring once opened; `ringAsked` once RING? went out. */
   private peerRing: RemoteMr | null = null;
   private ringAsked = false;
-  /** This side's receive ring (allocated on the peer's RING?), its bytes and its share. */
+  /** This side's receive ring (allocated on the peer's RING?) and its share. */
   private ring: LocalMr | null = null;
-  private ringBytes: Uint8Array | null = null;
   private shared: SharedMr | null = null;
   /** The peer's total from its FIN (-1: none yet). */
   private peerFinAt = -1;
@@ -311,7 +310,6 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     const name = `async-rdma/stream/${randomUUID()}`;
     try {
       this.ring = rdma.allocLocalMr(RING);
-      this.ringBytes = this.ring.bytes;
       this.shared = rdma.share(name, this.ring, { access: "write" });
     } catch (e) {
       this.destroy(e as Error);
@@ -331,8 +329,9 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     const next = (): void => {
       if (this.destroyed) return;
       rdma.receiveWriteImm({ signal: this.stop.signal }).then((len) => {
-        const ring = this.ringBytes;
-        if (this.destroyed || !ring) return;
+        if (this.destroyed || !this.ring) return;
+        // A fresh view each time: sharing may move the memory (verbs registers it anew) and detach older views.
+        const ring = this.ring.bytes;
         const off = this.bytesRead % RING;
         if (len < 1 || len > MAX_CHUNK || off + len > RING) return this.protocol(`the peer wrote a chunk of ${len} bytes at ring offset ${off} (the ring is ${RING} bytes, a chunk at most ${MAX_CHUNK})`);
         if (this.bytesRead + len > this.granted) return this.protocol(`the peer wrote past the ring credit it was given (${this.granted - this.bytesRead} bytes left, got ${len})`);
@@ -510,7 +509,6 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     const ring = this.ring;
     const shared = this.shared;
     this.ring = null;
-    this.ringBytes = null;
     this.shared = null;
     const freeRing = (): void => {
       try {
