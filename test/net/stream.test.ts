@@ -392,6 +392,37 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
     }
   });
 
+  it("issue 22 point 1: the receive rings are freed when streams close and the connection stays (closeConnection: false), also after a destroy mid-transfer", async () => {
+    const p = await apiPair();
+    try {
+      const pooled = (): [number, number] => [p.client.stats().memory.poolBytes, p.server.stats().memory.poolBytes];
+      const before = pooled();
+      const a = p.client.createStream({ closeConnection: false });
+      const b = p.server.createStream({ closeConnection: false });
+      await Promise.all([pipeline(source(4 << 20), a), pipeline(source(4 << 20), b), sink(b), sink(a)]);
+      await eventually(() => a.closed && b.closed, DEADLINE, "both streams closed");
+      // no ring (1 MiB) held any more; receive buffers and the pool's small caches may move a little
+      const freed = (): boolean => pooled()[0] < before[0] + RING && pooled()[1] < before[1] + RING;
+      await eventually(freed, DEADLINE, "the rings freed");
+      // a destroy while data flows both ways
+      const a2 = p.client.createStream({ closeConnection: false });
+      const b2 = p.server.createStream({ closeConnection: false });
+      a2.on("error", () => {});
+      b2.on("error", () => {});
+      b2.resume();
+      a2.resume();
+      void pipeline(source(64 << 20), a2).catch(() => {});
+      void pipeline(source(64 << 20, 2), b2).catch(() => {});
+      await eventually(() => a2.bytesRead > 2 << 20 && b2.bytesRead > 2 << 20, DEADLINE, "data flowing both ways");
+      a2.destroy();
+      b2.destroy();
+      await eventually(() => a2.closed && b2.closed, DEADLINE, "both streams closed");
+      await eventually(freed, DEADLINE, "the rings freed after destroy");
+    } finally {
+      await p.close();
+    }
+  });
+
   for (const [what, bytes] of [
     ["an unknown kind", [0x7f, 1, 2]],
     ["an empty message", []],
