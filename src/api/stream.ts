@@ -43,8 +43,10 @@ import type { SharedMr, ShareOptions } from "./shared.js";
 export interface StreamConnection {
   readonly isClosed: boolean;
   readonly peer: PeerInfo;
-  /** Registered memory a stream message, or the receive ring, lives in. */
+  /** Registered memory a control message lives in. */
   allocLocalMr(size: number): LocalMr;
+  /** Registers the receive ring in place. */
+  registerMr(buffer: ArrayBuffer): LocalMr;
   /** Sends one control message. */
   send(data: LocalMr): Promise<void>;
   /** The next control message. */
@@ -109,8 +111,14 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   /** The peer's ring once opened; `ringAsked` once RING? went out. */
   private peerRing: RemoteMr | null = null;
   private ringAsked = false;
-  /** This side's receive ring (allocated on the peer's RING?) and its share. */
+  /**
+   * This side's receive ring (allocated on the peer's RING?), its bytes and
+   * its share. The ring is the stream's own ArrayBuffer registered in place,
+   * not pool memory: a connection that closes frees its pool (on verbs at
+   * once), and chunks the peer wrote before closing are still to be copied out.
+   */
   private ring: LocalMr | null = null;
+  private ringBytes: Uint8Array | null = null;
   private shared: SharedMr | null = null;
   /** The peer's total from its FIN (-1: none yet). */
   private peerFinAt = -1;
@@ -309,7 +317,9 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   private openRing(rdma: C): boolean {
     const name = `async-rdma/stream/${randomUUID()}`;
     try {
-      this.ring = rdma.allocLocalMr(RING);
+      const buffer = new ArrayBuffer(RING);
+      this.ring = rdma.registerMr(buffer);
+      this.ringBytes = new Uint8Array(buffer);
       this.shared = rdma.share(name, this.ring, { access: "write" });
     } catch (e) {
       this.destroy(e as Error);
@@ -329,9 +339,8 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     const next = (): void => {
       if (this.destroyed) return;
       rdma.receiveWriteImm({ signal: this.stop.signal }).then((len) => {
-        if (this.destroyed || !this.ring) return;
-        // A fresh view each time: sharing may move the memory (verbs registers it anew) and detach older views.
-        const ring = this.ring.bytes;
+        const ring = this.ringBytes;
+        if (this.destroyed || !ring) return;
         const off = this.bytesRead % RING;
         if (len < 1 || len > MAX_CHUNK || off + len > RING) return this.protocol(`the peer wrote a chunk of ${len} bytes at ring offset ${off} (the ring is ${RING} bytes, a chunk at most ${MAX_CHUNK})`);
         if (this.bytesRead + len > this.granted) return this.protocol(`the peer wrote past the ring credit it was given (${this.granted - this.bytesRead} bytes left, got ${len})`);
@@ -509,6 +518,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     const ring = this.ring;
     const shared = this.shared;
     this.ring = null;
+    this.ringBytes = null;
     this.shared = null;
     const freeRing = (): void => {
       try {
