@@ -215,7 +215,9 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     const b = Buffer.alloc(5);
     b[0] = WND;
     b.writeUInt32BE(give, 1);
-    this.post(rdma, b, (e) => this.sent(e));
+    // Credit for a peer that has closed has nowhere to go: the receive loops, still draining what
+    // it wrote before closing, decide whether that close was the normal end.
+    this.post(rdma, b, (e) => this.sent(e instanceof RdmaError && e.code === "CONNECTION_CLOSED" ? null : e));
   }
 
   private protocol(what: string): void {

@@ -403,8 +403,9 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
       const held = (r: Rdma): number => r.stats().memory.poolBytes + r.stats().memory.registeredBytes;
       const pooled = (): [number, number] => [held(p.client), held(p.server)];
       const before = pooled();
-      const a = p.client.createStream({ closeConnection: false });
-      const b = p.server.createStream({ closeConnection: false });
+      // allowHalfOpen: both directions at once (see the pipeline test)
+      const a = p.client.createStream({ closeConnection: false, allowHalfOpen: true });
+      const b = p.server.createStream({ closeConnection: false, allowHalfOpen: true });
       await Promise.all([pipeline(source(4 << 20), a), pipeline(source(4 << 20), b), sink(b), sink(a)]);
       await eventually(() => a.closed && b.closed, DEADLINE, "both streams closed");
       // no ring (1 MiB) held any more; receive buffers and the pool's small caches may move a little
