@@ -542,7 +542,9 @@ export class Rdma {
 
   /**
    * A `stream.Duplex` of bytes over this connection (see docs/guide/net.md); one at a time. While it
-   * is open it owns the connection's messages: do not send or receive on the connection yourself.
+   * is open it owns the connection's messages and WRITE immediates: do not send, receive,
+   * writeWithImm or receiveWriteImm on the connection yourself. Its data goes by RDMA WRITE
+   * with immediate into a 1 MiB ring the reader shares once the writer has data.
    */
   createStream(opts?: StreamOptions): RdmaStream<Rdma> {
     return createStream<Rdma>(this, opts);

@@ -13,7 +13,8 @@ import { fileURLToPath } from "node:url";
 import { dirname, join } from "node:path";
 import { RdmaError } from "../../src/index.js";
 import { connect, createServer, type RdmaStream, type Server } from "../../src/net/index.js";
-import { WINDOW } from "../../src/api/stream.js";
+import { MAX_CHUNK, RING } from "../../src/api/stream.js";
+import type { Rdma } from "../../src/api/rdma.js";
 import { CM, HOST, PROVIDER, apiPair, builder, eventually } from "../support/api.js";
 import { SLOW } from "../support/seam.js";
 
@@ -38,6 +39,16 @@ function source(n: number, seed = 1): Readable {
 
 function expectedHash(n: number, seed = 1): Promise<string> {
   return sink(source(n, seed)).then((r) => r.hash);
+}
+
+/** A hostile writer's side of the ring protocol: asks the stream on the peer for its ring (RING?) and opens it. */
+async function openPeerRing(rdma: Rdma): Promise<import("../../src/index.js").RemoteMr> {
+  await rdma.send(Buffer.of(0x04));
+  const m = await rdma.receive();
+  const name = Buffer.from(m.bytes).toString("utf8", 1);
+  assert.equal(m.bytes[0], 0x05);
+  m.dispose();
+  return rdma.openSharedMr(name);
 }
 
 /** Reads a stream to its end: byte count and sha256. */
@@ -77,12 +88,17 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
     it(`issue 22 point 1: pipeline() file-like source → socket → sink, ${n} bytes, checksum equal (client → server, then server → client)`, { timeout: 600_000 }, async () => {
       const want = await expectedHash(n);
       const got: Promise<{ bytes: number; hash: string }>[] = [];
-      const { server, port } = await listen((s) => {
-        got.push(sink(s));
-        void pipeline(source(n), s).catch(() => {});
-      });
+      // allowHalfOpen: both directions run at once, and with the default (false, as net) the side
+      // whose readable ends first would end its writable while its own pipeline still writes
+      const { server, port } = await listen(
+        (s) => {
+          got.push(sink(s));
+          void pipeline(source(n), s).catch(() => {});
+        },
+        { allowHalfOpen: true },
+      );
       try {
-        const c = dial(port);
+        const c = dial(port, { allowHalfOpen: true });
         const [up, down] = await Promise.all([pipeline(source(n), c), sink(c)]);
         void up;
         await eventually(() => got.length === 1, DEADLINE, "the server's connection");
@@ -175,13 +191,13 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
         writing = false;
       })();
       // The reader never read: the writer stalls once the reader holds its whole window.
-      await eventually(() => srv !== null && srv.bytesRead >= WINDOW && c.writableNeedDrain, DEADLINE, "the writer to fill the reader's window");
+      await eventually(() => srv !== null && srv.bytesRead >= RING && c.writableNeedDrain, DEADLINE, "the writer to fill the reader's window");
       // Give a writer that would not stop every chance to go on: round trips on the same
       // connection (FIFO), each one after everything the writer had posted before it.
       for (let i = 0; i < 20; i++) (await c.connection!.requestRemoteMr(8)).dispose();
-      assert.ok(srv!.bytesRead <= WINDOW, `the reader was sent ${srv!.bytesRead} bytes with nothing read (window ${WINDOW})`);
-      const bound = WINDOW + 256 * 1024 + 2 * 64 * 1024; // the window, the writable buffer, one chunk
-      assert.ok(srv!.readableLength <= WINDOW, `the reader holds ${srv!.readableLength} bytes`);
+      assert.ok(srv!.bytesRead <= RING, `the reader was sent ${srv!.bytesRead} bytes with nothing read (ring ${RING})`);
+      const bound = RING + 256 * 1024 + 2 * 64 * 1024; // the ring, the writable buffer, one chunk
+      assert.ok(srv!.readableLength <= RING, `the reader holds ${srv!.readableLength} bytes`);
       assert.ok(writing, "the writer must not have finished while nothing was read");
       assert.ok(accepted <= bound, `the writer took ${accepted} bytes with nothing read (bound ${bound})`);
       assert.ok(falses > 0);
@@ -281,20 +297,76 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
     }
   });
 
-  it("issue 22 point 1: hostile peer: DATA past the window it was given gives a PROTOCOL error, and the stream holds no more than the window", async () => {
+  it("issue 22 point 1: hostile peer: WRITEs past the ring credit it was given give a PROTOCOL error, and the stream holds no more than the ring", async () => {
     const p = await apiPair();
     try {
       const s = p.server.createStream();
       const errs: unknown[] = [];
       s.on("error", (e) => errs.push(e));
-      // never read: a well-behaved writer would stop at WINDOW
-      const chunk = 256 * 1024;
-      const m = p.client.allocLocalMr(1 + chunk);
-      m.bytes[0] = 0x01;
-      for (let sent = 0; sent <= WINDOW && errs.length === 0; sent += chunk) await p.client.send(m).catch(() => {});
+      // never read: a well-behaved writer would stop at RING
+      const rmr = await openPeerRing(p.client);
+      const m = p.client.allocLocalMr(MAX_CHUNK);
+      for (let sent = 0; sent <= RING && errs.length === 0; sent += MAX_CHUNK) await p.client.writeWithImm(m, rmr.slice(sent % RING, (sent % RING) + MAX_CHUNK), MAX_CHUNK).catch(() => {});
       await eventually(() => s.destroyed && errs.length === 1, DEADLINE, "the stream to fail");
       assert.ok(errs[0] instanceof RdmaError && errs[0].code === "PROTOCOL", String(errs[0]));
-      assert.ok(s.bytesRead <= WINDOW);
+      assert.ok(s.bytesRead <= RING);
+    } finally {
+      await p.close();
+    }
+  });
+
+  for (const [what, len] of [
+    ["a chunk longer than MAX_CHUNK", MAX_CHUNK + 1],
+    ["a chunk longer than the ring", RING + 1],
+    ["a chunk of 0 bytes", 0],
+  ] as const) {
+    it(`issue 22 point 1: hostile peer: an immediate announcing ${what} gives a PROTOCOL error, not a crash`, async () => {
+      const p = await apiPair();
+      try {
+        const s = p.server.createStream();
+        const errs: unknown[] = [];
+        s.on("error", (e) => errs.push(e));
+        s.resume();
+        const rmr = await openPeerRing(p.client);
+        await p.client.writeWithImm(p.client.allocLocalMr(1), rmr.slice(0, 1), len);
+        await eventually(() => s.destroyed && errs.length === 1, DEADLINE, "the stream to fail");
+        assert.ok(errs[0] instanceof RdmaError && errs[0].code === "PROTOCOL", String(errs[0]));
+        assert.equal(s.bytesRead, 0);
+      } finally {
+        await p.close();
+      }
+    });
+  }
+
+  it("issue 22 point 1: hostile peer: a ring name that cannot be opened gives the writer a PROTOCOL error", async () => {
+    const p = await apiPair();
+    try {
+      const c = p.client.createStream();
+      const errs: unknown[] = [];
+      c.on("error", (e) => errs.push(e));
+      c.write(Buffer.alloc(1000, 1));
+      const req = await p.server.receive();
+      assert.deepEqual([...req.bytes], [0x04]);
+      await p.server.send(Buffer.from("\x05no-such-ring", "latin1"));
+      await eventually(() => c.destroyed && errs.length === 1, DEADLINE, "the stream to fail");
+      assert.ok(errs[0] instanceof RdmaError && errs[0].code === "PROTOCOL", String(errs[0]));
+    } finally {
+      await p.close();
+    }
+  });
+
+  it("issue 22 point 1: data moves by RDMA WRITE with immediate into the reader's ring (one ring, lent once; control messages only)", async () => {
+    const p = await apiPair();
+    try {
+      const a = p.client.createStream();
+      const b = p.server.createStream();
+      const [, got] = await Promise.all([pipeline(source(8 << 20), a), sink(b), sink(a)]);
+      assert.equal(got.bytes, 8 << 20);
+      assert.equal(got.hash, await expectedHash(8 << 20));
+      // 8 MiB in chunks of at most 256 KiB, each one WRITE: no chunk goes as a message (a rendezvous each, before)
+      const st = p.client.stats();
+      assert.equal(st.rendezvousSent, 0, "no chunk went by rendezvous");
+      assert.ok(st.messagesSent < 16, `the writer sent ${st.messagesSent} two-sided messages for 8 MiB`);
     } finally {
       await p.close();
     }
@@ -325,6 +397,45 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
     }
   });
 
+  it("issue 22 point 1: the receive rings are freed when streams close and the connection stays (closeConnection: false), also after a destroy mid-transfer", async () => {
+    const held = (r: Rdma): number => r.stats().memory.poolBytes + r.stats().memory.registeredBytes;
+    // no ring (1 MiB) held any more; receive buffers and the pool's small caches may move a little
+    const freed = (p: { client: Rdma; server: Rdma }, before: [number, number]) => (): boolean => held(p.client) < before[0] + RING && held(p.server) < before[1] + RING;
+    const p = await apiPair();
+    try {
+      const before: [number, number] = [held(p.client), held(p.server)];
+      // allowHalfOpen: both directions at once (see the pipeline test)
+      const a = p.client.createStream({ closeConnection: false, allowHalfOpen: true });
+      const b = p.server.createStream({ closeConnection: false, allowHalfOpen: true });
+      await Promise.all([pipeline(source(4 << 20), a), pipeline(source(4 << 20), b), sink(b), sink(a)]);
+      await eventually(() => a.closed && b.closed, DEADLINE, "both streams closed");
+      await eventually(freed(p, before), DEADLINE, "the rings freed");
+    } finally {
+      await p.close();
+    }
+    // a destroy while data flows both ways (a fresh connection: a destroyed stream's last window
+    // updates may still reach the other side, and a next stream on that connection would take them)
+    const q = await apiPair();
+    try {
+      const before: [number, number] = [held(q.client), held(q.server)];
+      const a2 = q.client.createStream({ closeConnection: false });
+      const b2 = q.server.createStream({ closeConnection: false });
+      a2.on("error", () => {});
+      b2.on("error", () => {});
+      b2.resume();
+      a2.resume();
+      void pipeline(source(64 << 20), a2).catch(() => {});
+      void pipeline(source(64 << 20, 2), b2).catch(() => {});
+      await eventually(() => a2.bytesRead > 2 << 20 && b2.bytesRead > 2 << 20, DEADLINE, "data flowing both ways");
+      a2.destroy();
+      b2.destroy();
+      await eventually(() => a2.closed && b2.closed, DEADLINE, "both streams closed");
+      await eventually(freed(q, before), DEADLINE, "the rings freed after destroy");
+    } finally {
+      await q.close();
+    }
+  });
+
   for (const [what, bytes] of [
     ["an unknown kind", [0x7f, 1, 2]],
     ["an empty message", []],
@@ -333,6 +444,11 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
     ["a window update of 0", [0x03, 0, 0, 0, 0]],
     ["a window update past the window", [0x03, 0xff, 0xff, 0xff, 0xff]],
     ["a short window update", [0x03, 0, 1]],
+    ["a window update returning more than was written", [0x03, 0, 0, 0, 1]],
+    ["a RING nobody asked for", [0x05, 0x61]],
+    ["a one-byte FIN (it must count the bytes written)", [0x02]],
+    ["a FIN counting more than the ring credit", [0x02, 0, 0, 0, 0, 0, 0x20, 0, 0]],
+    ["a RING? with bytes", [0x04, 0x04]],
   ] as const) {
     it(`issue 22 point 1: hostile peer: ${what} gives the stream a PROTOCOL error, not a crash`, async () => {
       const p = await apiPair();
