@@ -15,7 +15,7 @@ import { RdmaError } from "../../src/index.js";
 import { connect, createServer, type RdmaStream, type Server } from "../../src/net/index.js";
 import { MAX_CHUNK, RING } from "../../src/api/stream.js";
 import type { Rdma } from "../../src/api/rdma.js";
-import { CM, HOST, PROVIDER, apiPair, builder, eventually } from "../support/api.js";
+import { CM, HOST, PROVIDER, apiPair, at, builder, eventually } from "../support/api.js";
 import { SLOW } from "../support/seam.js";
 
 const DEADLINE = 20_000 * SLOW;
@@ -352,6 +352,29 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
       assert.ok(errs[0] instanceof RdmaError && errs[0].code === "PROTOCOL", String(errs[0]));
     } finally {
       await p.close();
+    }
+  });
+
+  it("issue 22 point 1: a stream's ring opens only from its own connection (its own share table): another client of the same listener that learns the name gets NOT_FOUND", async () => {
+    const listener = await builder("server").bind(at(0));
+    const [a, sa] = await Promise.all([builder().connect(at(listener.port)), listener.accept()]);
+    const [b, sb] = await Promise.all([builder().connect(at(listener.port)), listener.accept()]);
+    try {
+      const stream = sa.createStream();
+      stream.on("error", () => {});
+      await a.send(Buffer.of(0x04)); // RING?: the stream shares its ring and answers with the name
+      const m = await a.receive();
+      assert.equal(m.bytes[0], 0x05);
+      const name = Buffer.from(m.bytes).toString("utf8", 1);
+      m.dispose();
+      await assert.rejects(b.openSharedMr(name), (e: unknown) => e instanceof RdmaError && e.code === "NOT_FOUND");
+      const ring = await a.openSharedMr(name);
+      assert.equal(ring.length, RING);
+      ring.dispose();
+      stream.destroy();
+    } finally {
+      await Promise.allSettled([a.close(), b.close(), sa.close(), sb.close()]);
+      await listener.close();
     }
   });
 
