@@ -14,6 +14,7 @@
 //   send-inprocess  64 B messages/s, sender and receiver in one process (higher is better)
 //   send-4k         4 KiB messages/s, in one process (higher is better)
 //   rpc-vs-node     calls/s at 32 B c=1 (two processes; noisy on a busy machine)
+//   rpc-4k-c64      calls/s at 4 KiB c=64 (two processes)
 //
 // A program that reports: it never fails on a number.
 import { execFileSync, spawnSync } from "node:child_process";
@@ -42,6 +43,7 @@ const BENCHES = {
   "send-inprocess": { args: ["bench/send-inprocess.mjs", String(4 * CALLS), "128", "64"], re: /"messagesPerSec":(\d+)/, unit: "msg/s", better: "higher" },
   "send-4k": { args: ["bench/send-inprocess.mjs", String(2 * CALLS), "64", "4000"], re: /"messagesPerSec":(\d+)/, unit: "msg/s", better: "higher" },
   "rpc-vs-node": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32"], re: /\| 32 B \| 1 \| (\d+) \|/, unit: "calls/s", better: "higher" },
+  "rpc-4k-c64": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "4096"], re: /\| 4096 B \| 64 \| (\d+) \|/, unit: "calls/s", better: "higher" },
 };
 const chosen = String(opt("bench", "rpc-cpu,send-inprocess")).split(",");
 for (const b of chosen) if (!BENCHES[b]) throw new Error(`unknown benchmark ${b} (known: ${Object.keys(BENCHES).join(", ")})`);

@@ -8,7 +8,9 @@
  *   rendezvous announcements) is re-posted as it is; one handed to the user
  *   (a DATA message) comes back when the user disposes of it, its views
  *   detached first (pool.renew), so the user's old view never aliases a
- *   re-posted buffer; at most the receive depth are kept spare, and none
+ *   re-posted buffer (memory whose bytes no view was handed out for — the
+ *   RPC layer reads them with peekBytes and copies what it keeps — has
+ *   nothing to detach and is re-posted as it is); at most the receive depth are kept spare, and none
  *   once the connection ended;
  * - receives re-posted while the completion queue drains are posted as one
  *   list when the drain ends, and counted as credits to return only once
@@ -81,9 +83,9 @@ export class RecvRing {
   }
 
   /** A buffer handed to the user comes back when the user disposes of it (see the invariants). */
-  private readonly recycle = (alloc: Allocation): boolean => {
+  private readonly recycle = (alloc: Allocation, viewed: boolean): boolean => {
     if (this.host.ended() || this.spare.length >= this.depth) return false;
-    if (!this.pool.renew(alloc)) return false;
+    if (viewed ? !this.pool.renew(alloc) : !this.pool.isLive(alloc)) return false;
     const m = new LocalMemory(this.pool, alloc);
     m.recycle = this.recycle;
     this.spare.push(m);

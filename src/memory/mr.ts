@@ -32,8 +32,16 @@ export class LocalMemory {
   /**
    * Set by the owner of recyclable memory (a connection's receive buffers):
    * takes the allocation back instead of freeing it; false frees it.
+   * `viewed`: a view of the bytes was handed out, so the allocation's
+   * ArrayBuffer must be replaced (its views detached) before it is reused.
    */
-  recycle: ((alloc: Allocation) => boolean) | null = null;
+  recycle: ((alloc: Allocation, viewed: boolean) => boolean) | null = null;
+  /**
+   * A view of the bytes was handed out (`bytes`, `view`). Memory whose bytes
+   * were only read through `peekBytes` by the library itself (which copies
+   * what it keeps) can be reused without detaching anything.
+   */
+  viewed = false;
 
   constructor(pool: MrPool | null, alloc: Allocation, onFree: (() => void) | null = null) {
     this.pool = pool;
@@ -119,7 +127,7 @@ export class LocalMemory {
   private doFree(): void {
     this.freePending = false;
     this.pool?.unkeep(this);
-    if (this.pool && this.recycle?.(this.alloc)) return this.onFree?.();
+    if (this.pool && this.recycle?.(this.alloc, this.viewed)) return this.onFree?.();
     if (this.pool) this.pool.free(this.alloc);
     else this.alloc.mr.deregister();
     this.onFree?.();
@@ -151,6 +159,18 @@ export class LocalMr {
   /** A Uint8Array over the bytes (throws if disposed or lent). */
   get bytes(): Uint8Array {
     this.mem.check("bytes");
+    this.mem.viewed = true;
+    const a = this.mem.alloc;
+    return new Uint8Array(a.buffer, a.bufOffset + this.start, this.length);
+  }
+
+  /**
+   * @internal The bytes, for the library's own readers that copy what they
+   * keep and drop the view before disposing (the RPC layer's frame decoder):
+   * memory read only this way is recycled without detaching its buffer.
+   */
+  peekBytes(): Uint8Array {
+    this.mem.check("bytes");
     const a = this.mem.alloc;
     return new Uint8Array(a.buffer, a.bufOffset + this.start, this.length);
   }
@@ -159,6 +179,7 @@ export class LocalMr {
   view<T>(ctor: TypedArrayCtor<T>): T {
     checkTypedArrayCtor(ctor);
     this.mem.check("view");
+    this.mem.viewed = true;
     const a = this.mem.alloc;
     const off = a.bufOffset + this.start;
     const size = ctor.BYTES_PER_ELEMENT;

@@ -155,6 +155,12 @@ export class MrPool {
     a.buffer = a.mr.aliasBuffer!(a.mrBufOffset, a.length);
   }
 
+  /** The allocation is live and registered (recycling without renew: no view of it was handed out). */
+  isLive(alloc: Allocation): boolean {
+    const a = alloc as PooledAllocation;
+    return this.live.has(a) && !a.mr.deregistered;
+  }
+
   /**
    * Recycling: detaches every view of a live allocation and gives it a fresh
    * ArrayBuffer over the same registered bytes (native memory: a new alias;

@@ -8,7 +8,7 @@
 import { RdmaError, type Rdma } from "../index.js";
 import { codecOf, type RpcCodec } from "./codec.js";
 import { decodeError, RpcError } from "./error.js";
-import { CALL, CANCEL, decodeFrames, EMPTY, enc, encodeFrame, ERROR, HDR, MAX_METHOD, OK, type Frame } from "./frame.js";
+import { CALL, CANCEL, decodeFrames, EMPTY, enc, ERROR, HDR, MAX_METHOD, OK, type Frame } from "./frame.js";
 import { Outbox } from "./outbox.js";
 import type { CallOptions, RpcCallArgs, RpcCodecs, RpcMethodName, RpcMethods, RpcUntyped } from "./types.js";
 
@@ -110,7 +110,7 @@ export class RpcClient<M extends RpcMethods = RpcUntyped> {
       }
       let frames: Frame[];
       try {
-        frames = decodeFrames(msg.bytes);
+        frames = decodeFrames(msg.peekBytes());
         for (const f of frames) if (f.kind !== OK && f.kind !== ERROR) throw new RdmaError("PROTOCOL", `rpc: a server sent a frame of kind ${f.kind}`);
       } catch (e) {
         this.fail(this.rdma.isClosed && !(e instanceof RdmaError && e.code === "PROTOCOL") ? new RdmaError("CONNECTION_CLOSED", "the connection closed") : e);
@@ -182,7 +182,7 @@ export class RpcClient<M extends RpcMethods = RpcUntyped> {
       const cancel = (e: RdmaError): void => {
         if (!this.pending.delete(id)) return;
         cleanup();
-        this.outbox.push(encodeFrame(CANCEL, id, null, new Uint8Array(0)));
+        this.outbox.pushFrame(CANCEL, id, null, EMPTY);
         reject(e);
       };
       const onAbort = (): void => cancel(new RdmaError("ABORTED", `${method} aborted`));
@@ -200,7 +200,7 @@ export class RpcClient<M extends RpcMethods = RpcUntyped> {
           reject(e);
         },
       });
-      this.outbox.push(encodeFrame(CALL, id, m, payload as Uint8Array));
+      this.outbox.pushFrame(CALL, id, m, payload as Uint8Array);
     });
   }
 

@@ -35,17 +35,30 @@ export const EMPTY = new Uint8Array(0);
 export function encodeFrame(kind: number, id: number, method: Uint8Array | null, payload: Uint8Array): Uint8Array {
   const m = method ?? EMPTY;
   const out = new Uint8Array(HDR + m.length + payload.length);
-  const v = new DataView(out.buffer);
-  v.setUint8(0, MAGIC);
-  v.setUint8(1, kind);
-  v.setUint16(2, m.length);
-  v.setUint32(4, id);
-  v.setUint32(8, payload.length);
-  out.set(m, HDR);
-  out.set(payload, HDR + m.length);
+  writeFrame(out, 0, kind, id, m, payload);
   return out;
 }
 
+/** Writes a frame into `dst` at `off` (room checked by the caller); returns its length. */
+export function writeFrame(dst: Uint8Array, off: number, kind: number, id: number, method: Uint8Array, payload: Uint8Array): number {
+  const ml = method.length;
+  const pl = payload.length;
+  dst[off] = MAGIC;
+  dst[off + 1] = kind;
+  dst[off + 2] = ml >>> 8;
+  dst[off + 3] = ml & 0xff;
+  dst[off + 4] = id >>> 24;
+  dst[off + 5] = (id >>> 16) & 0xff;
+  dst[off + 6] = (id >>> 8) & 0xff;
+  dst[off + 7] = id & 0xff;
+  dst[off + 8] = pl >>> 24;
+  dst[off + 9] = (pl >>> 16) & 0xff;
+  dst[off + 10] = (pl >>> 8) & 0xff;
+  dst[off + 11] = pl & 0xff;
+  if (ml > 0) dst.set(method, off + HDR);
+  if (pl > 0) dst.set(payload, off + HDR + ml);
+  return HDR + ml + pl;
+}
 
 /** Every frame of a message; throws PROTOCOL naming what is wrong. */
 export function decodeFrames(buf: Uint8Array): Frame[] {

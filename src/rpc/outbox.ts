@@ -1,14 +1,16 @@
 /**
  * The outbox: frames queued before the next microtask checkpoint go out
  * together, in as few messages as the batch bound allows, each message a
- * registered buffer reused once its send completed. A frame counts
+ * registered buffer reused once its send completed. A frame is written into
+ * its message's buffer when it is pushed (the payload's bytes are taken
+ * then, and copied once). A frame counts
  * (`unsentFrames`, `unsentBytes`) from push until the send of its message
  * settles, so what the box holds is exactly what has not reached the peer
  * (the server's back-pressure reads it). A failed send fails only the calls
  * its message carried, unless the connection closed.
  */
 import { RdmaError, type LocalMr, type Rdma } from "../index.js";
-import { CALL, callIds, HDR } from "./frame.js";
+import { CALL, callIds, EMPTY, HDR, writeFrame } from "./frame.js";
 
 /**
  * Frames are gathered into one message up to the peer's eager threshold
@@ -22,10 +24,17 @@ const MIN_BATCH_BYTES = 256;
  * And at most this: a batch buffer is registered memory held until its send
  * completes, so its size must not follow a peer's advertised threshold (up
  * to 1 MiB) — 128 small replies the peer never takes would pin 128 buffers.
+ * The default eager threshold (4 KiB + 64) fits: a 4 KiB call's frame
+ * (4,112 bytes) takes a reused batch buffer, never a fresh registration.
  */
-const MAX_BATCH_BYTES = 4096;
-/** Batch buffers kept for reuse per connection (each one batch, registered). */
-const SPARE_BUFFERS = 8;
+const MAX_BATCH_BYTES = 4096 + 64;
+/**
+ * Batch buffers kept for reuse per connection (each one batch, registered):
+ * enough for the sends a window of calls keeps in flight (the peer's receive
+ * depth, 32 by default), so a steady stream of 4 KiB calls registers nothing.
+ * Kept only after a burst needed them: at most 32 × 4,160 bytes.
+ */
+const SPARE_BUFFERS = 64;
 
 /** What an Outbox reports to its owner. */
 export interface OutboxHost {
@@ -36,13 +45,23 @@ export interface OutboxHost {
 }
 
 
+/** A message being filled, or filled and waiting for the flush. */
+interface Batch {
+  buf: LocalMr;
+  bytes: Uint8Array;
+  /** Bytes written. */
+  len: number;
+  frames: number;
+}
+
 /**
  * Frames queued before the next microtask checkpoint go out together. A
  * frame counts (`unsentFrames`, `unsentBytes`) from push until the send of
  * its message settles: what the box holds is what has not reached the peer.
  */
 export class Outbox {
-  private frames: Uint8Array[] = [];
+  /** Filled messages waiting for the flush, in order; the last may still take frames. */
+  private batches: Batch[] = [];
   private scheduled = false;
   /** Set by the owner (or a closing connection): later frames are dropped. */
   failure: unknown = null;
@@ -63,20 +82,64 @@ export class Outbox {
     this.batchMax = Math.min(peerMax, MAX_BATCH_BYTES, Math.max(MIN_BATCH_BYTES, rdma.peerEagerThreshold));
   }
 
+  /** A frame encoded already (errors, cancels). */
   push(frame: Uint8Array): void {
-    if (this.failure) return;
-    this.frames.push(frame);
-    this.unsentFrames++;
-    this.unsentBytes += frame.length;
-    if (!this.scheduled) {
-      this.scheduled = true;
-      queueMicrotask(() => this.flush());
-    }
+    const b = this.room(frame.length, frame[1] === CALL ? new DataView(frame.buffer, frame.byteOffset, HDR).getUint32(4) : -1);
+    if (b === null) return;
+    b.bytes.set(frame, b.len);
+    b.len += frame.length;
+    b.frames++;
+  }
+
+  /** A frame written straight into its message: the payload's bytes are copied now, once. */
+  pushFrame(kind: number, id: number, method: Uint8Array | null, payload: Uint8Array): void {
+    const m = method ?? EMPTY;
+    const b = this.room(HDR + m.length + payload.length, kind === CALL ? id : -1);
+    if (b === null) return;
+    b.len += writeFrame(b.bytes, b.len, kind, id, m, payload);
+    b.frames++;
   }
 
   /** The connection ended: the spare buffers go back to it. */
   close(): void {
     for (const m of this.spare.splice(0)) m[Symbol.dispose]();
+  }
+
+  /**
+   * The message a frame of `n` bytes goes into (counted from now), or null
+   * when it is dropped: the box failed, or no buffer could be had (then the
+   * call it carries, `callId` if not -1, fails, unless the connection closed).
+   */
+  private room(n: number, callId: number): Batch | null {
+    if (this.failure) return null;
+    this.unsentFrames++;
+    this.unsentBytes += n;
+    if (this.rdma.isClosed) {
+      // Closed in this same turn: the batch being filled may have lost its memory.
+      this.settled(1, n);
+      this.failure = new RdmaError("CONNECTION_CLOSED", "rpc: the connection is closed");
+      return null;
+    }
+    const last = this.batches.length > 0 ? this.batches[this.batches.length - 1]! : null;
+    if (last !== null && last.buf.length === this.batchMax && last.len + n <= this.batchMax) return last;
+    let buf: LocalMr | undefined;
+    try {
+      buf = n <= this.batchMax ? this.spare.pop() : undefined;
+      buf ??= this.rdma.allocLocalMr(Math.max(n, this.batchMax));
+    } catch (e) {
+      this.settled(1, n);
+      // A closing connection: its receive loop ends every call with CONNECTION_CLOSED.
+      if ((e instanceof RdmaError && e.code === "CONNECTION_CLOSED") || this.rdma.isClosed) this.failure ??= e;
+      else this.host.failed(e, callId < 0 ? [] : [callId]);
+      return null;
+    }
+    const b: Batch = { buf, bytes: buf.bytes, len: 0, frames: 0 };
+    this.batches.push(b);
+    if (!this.scheduled) {
+      this.scheduled = true;
+      queueMicrotask(() => this.flush());
+    }
+    return b;
   }
 
   private settled(count: number, bytes: number): void {
@@ -87,67 +150,37 @@ export class Outbox {
 
   private flush(): void {
     this.scheduled = false;
-    const frames = this.frames;
-    this.frames = [];
-    let batch: Uint8Array[] = [];
-    let bytes = 0;
-    const out = (list: Uint8Array[], n: number): void => {
-      const count = list.length;
-      if (count === 0) return;
-      if (this.failure) return this.settled(count, n);
-      let buf: LocalMr | undefined;
-      try {
-        buf = n <= this.batchMax ? this.spare.pop() : undefined;
-        buf ??= this.rdma.allocLocalMr(Math.max(n, this.batchMax));
-      } catch (e) {
-        this.settled(count, n);
-        // A closing connection: its receive loop ends every call with CONNECTION_CLOSED.
-        if ((e instanceof RdmaError && e.code === "CONNECTION_CLOSED") || this.rdma.isClosed) {
-          this.failure ??= e;
-          return;
-        }
-        const ids: number[] = [];
-        for (const f of list) if (f[1] === CALL) ids.push(new DataView(f.buffer, f.byteOffset, HDR).getUint32(4));
-        return this.host.failed(e, ids);
-      }
-      const whole = buf;
-      const b = whole.bytes;
-      let o = 0;
-      for (const f of list) {
-        b.set(f, o);
-        o += f.length;
-      }
-      this.rdma.send(o === whole.length ? whole : whole.slice(0, o)).then(
-        () => {
-          if (whole.length === this.batchMax && !this.failure && this.spare.length < SPARE_BUFFERS) this.spare.push(whole);
-          else whole[Symbol.dispose]();
-          this.settled(count, n);
-        },
-        (e: unknown) => {
-          let ids: number[] = [];
-          if (!this.rdma.isClosed) {
-            try {
-              ids = callIds(whole.bytes.subarray(0, o));
-            } catch {
-              /* the memory went with the connection */
-            }
-          }
-          whole[Symbol.dispose]();
-          this.settled(count, n);
-          if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") return;
-          this.host.failed(e, ids);
-        },
-      );
-    };
-    for (const f of frames) {
-      if (bytes > 0 && bytes + f.length > this.batchMax) {
-        out(batch, bytes);
-        batch = [];
-        bytes = 0;
-      }
-      batch.push(f);
-      bytes += f.length;
+    const batches = this.batches;
+    this.batches = [];
+    for (const b of batches) this.out(b);
+  }
+
+  private out(b: Batch): void {
+    const { buf: whole, len: o, frames: count } = b;
+    if (this.failure) {
+      whole[Symbol.dispose]();
+      return this.settled(count, o);
     }
-    out(batch, bytes);
+    this.rdma.send(o === whole.length ? whole : whole.slice(0, o)).then(
+      () => {
+        if (whole.length === this.batchMax && !this.failure && this.spare.length < SPARE_BUFFERS) this.spare.push(whole);
+        else whole[Symbol.dispose]();
+        this.settled(count, o);
+      },
+      (e: unknown) => {
+        let ids: number[] = [];
+        if (!this.rdma.isClosed) {
+          try {
+            ids = callIds(whole.bytes.subarray(0, o));
+          } catch {
+            /* the memory went with the connection */
+          }
+        }
+        whole[Symbol.dispose]();
+        this.settled(count, o);
+        if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") return;
+        this.host.failed(e, ids);
+      },
+    );
   }
 }

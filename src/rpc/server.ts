@@ -9,7 +9,7 @@
 import { RdmaError, type Rdma, type RdmaListener } from "../index.js";
 import { codecOf, type RpcCodec } from "./codec.js";
 import { errorFrame } from "./error.js";
-import { CALL, CANCEL, decodeFrames, EMPTY, enc, encodeFrame, HDR, MAX_METHOD, OK, type Frame } from "./frame.js";
+import { CALL, CANCEL, decodeFrames, EMPTY, enc, HDR, MAX_METHOD, OK, type Frame } from "./frame.js";
 import { Outbox, type OutboxHost } from "./outbox.js";
 import type { RpcCodecs, RpcContext, RpcHandler, RpcHandlers, RpcMethods, RpcUntyped } from "./types.js";
 
@@ -27,16 +27,19 @@ const DEFAULT_REPLY_TIMEOUT_MS = 60_000;
  */
 const CLOSED_POLL_MS = 1000;
 
+/** A reply: an OK frame's parts (its payload is copied once, into the message), or a frame encoded already (an error). */
+type Reply = { id: number; payload: Uint8Array } | Uint8Array;
+
 /** The reply to call `id`; a reply the caller would refuse (over its maxMessageSize) fails that call only, OUT_OF_RANGE. */
-function okFrame(id: number, v: unknown, peerMax: number): Uint8Array {
+function okFrame(id: number, v: unknown, peerMax: number): Reply {
   const p = v instanceof Uint8Array ? v : EMPTY;
   // checked before the copy
   if (HDR + p.length > peerMax) return errorFrame(id, new RdmaError("OUT_OF_RANGE", `the reply of ${p.length} bytes exceeds the caller's maxMessageSize (${peerMax})`));
-  return encodeFrame(OK, id, null, p);
+  return { id, payload: p };
 }
 
 /** The reply to call `id` through a codec; a value the codec cannot encode answers as the error it threw. */
-function encodedFrame(id: number, v: unknown, codec: RpcCodec<any>, peerMax: number): Uint8Array {
+function encodedFrame(id: number, v: unknown, codec: RpcCodec<any>, peerMax: number): Reply {
   let b: Uint8Array;
   try {
     b = codec.encode(v);
@@ -232,8 +235,9 @@ export class RpcServer<M extends RpcMethods = RpcUntyped> {
       }
     };
     /** A reply (or error) for call `id` is queued: it counts until its send settles. */
-    const queue = (frame: Uint8Array): void => {
-      outbox.push(frame);
+    const queue = (frame: Reply): void => {
+      if (frame instanceof Uint8Array) outbox.push(frame);
+      else outbox.pushFrame(OK, frame.id, null, frame.payload);
       const n = running.size + outbox.unsentFrames;
       if (n > this.peakInFlight) this.peakInFlight = n;
       if (outbox.unsentBytes > this.peakQueuedBytes) this.peakQueuedBytes = outbox.unsentBytes;
@@ -250,7 +254,7 @@ export class RpcServer<M extends RpcMethods = RpcUntyped> {
         }
         let frames: Frame[];
         try {
-          frames = decodeFrames(msg.bytes);
+          frames = decodeFrames(msg.peekBytes());
         } catch (e) {
           // the connection closed between the arrival and now (its memory is gone)
           if (rdma.isClosed && !(e instanceof RdmaError && e.code === "PROTOCOL")) return;
@@ -275,7 +279,7 @@ export class RpcServer<M extends RpcMethods = RpcUntyped> {
           const call = new Running(f.method, rdma);
           running.set(f.id, call);
           if (running.size + outbox.unsentFrames > this.peakInFlight) this.peakInFlight = running.size + outbox.unsentFrames;
-          const done = (frame: Uint8Array | null): void => {
+          const done = (frame: Reply | null): void => {
             running.delete(f.id);
             // a cancelled call gets no reply: the caller has forgotten it
             if (!call.aborted && frame !== null) queue(frame);

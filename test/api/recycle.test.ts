@@ -74,4 +74,24 @@ describe(`receive buffers are recycled [${PROVIDER}, ${CM}]`, { timeout: 120_000
       }
       await echo;
     }));
+
+  it("issue 21 point 1: a message the library read only through peekBytes is re-posted without detaching its buffer; one the user viewed is detached first", () =>
+    withApiPair(async ({ server, client }) => {
+      const src = client.allocLocalMr(100);
+      for (let i = 0; i < 2; i++) {
+        src.bytes.set(pattern(100, i));
+        await client.send(src);
+      }
+      const a = await server.receive();
+      const peek = a.peekBytes();
+      assert.deepEqual(peek, pattern(100, 0));
+      a.dispose();
+      assert.equal(peek.byteLength, 100, "nothing was handed out: the buffer is re-posted as it is (no detach, no new ArrayBuffer)");
+      const b = await server.receive();
+      const view = b.bytes;
+      assert.deepEqual(view, pattern(100, 1));
+      b.dispose();
+      assert.equal(view.byteLength, 0, "a view the user took is detached before its buffer is re-posted");
+      assert.ok(server.stats().recycledReceives >= 2, "both buffers went back to the receive ring");
+    }));
 });
