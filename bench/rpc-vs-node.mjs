@@ -4,9 +4,13 @@
 // server in a child process, the client here. Calls/s and p99 latency at
 // concurrency 1 and 64, 32-byte payloads, medians over --runs (ours and the
 // reference alternate so machine-load drift hits both). Payloads of 32 B and
-// 4 KiB (--sizes), concurrency 1 and 64.
+// 4 KiB (--sizes), concurrency 1 and 64. Each run first calls for --warmup-ms
+// (default 2000) at the same size and concurrency, unmeasured, so both
+// sides are measured with their code optimised: a run of a few thousand
+// calls without it measures mostly V8 compiling the library's code (the
+// library has more of it than the ~30 lines of the reference).
 //
-//   node bench/rpc-vs-node.mjs [--runs 3] [--calls 20000] [--sizes 32,4096] [--provider tcp|verbs]
+//   node bench/rpc-vs-node.mjs [--runs 3] [--calls 20000] [--warmup-ms 2000] [--sizes 32,4096] [--provider tcp|verbs]
 //
 // A program that reports: it never fails on a number.
 import { spawn } from "node:child_process";
@@ -16,6 +20,7 @@ import { fileURLToPath } from "node:url";
 const args = Object.fromEntries(process.argv.slice(2).reduce((a, v, i, all) => (v.startsWith("--") ? [...a, [v.slice(2), all[i + 1]]] : a), []));
 const RUNS = Number(args.runs ?? 3);
 const CALLS = Number(args.calls ?? 20000);
+const WARMUP_MS = Number(args["warmup-ms"] ?? 2000);
 const SIZES = String(args.sizes ?? "32,4096").split(",").map(Number);
 const PROVIDER = args.provider ?? process.env.ASYNC_RDMA_PROVIDER ?? "tcp";
 const self = fileURLToPath(import.meta.url);
@@ -101,7 +106,11 @@ if (process.argv[2] === "--serve") {
     const srv = await server(kind);
     const c = kind === "rdma" ? await rdmaClient(srv.port) : await nodeClient(srv.port);
     const payload = new Uint8Array(size).fill(7);
-    for (let i = 0; i < 500; i++) await c.call(payload); // warm-up
+    // warm-up: the same load for WARMUP_MS, unmeasured
+    const w0 = performance.now();
+    await Promise.all(Array.from({ length: conc }, async () => {
+      while (performance.now() - w0 < WARMUP_MS) await c.call(payload);
+    }));
     const lat = [];
     let next = 0;
     const t0 = performance.now();
@@ -119,7 +128,7 @@ if (process.argv[2] === "--serve") {
     return { rate: CALLS / secs, p50: lat[Math.floor(lat.length * 0.5)], p99: lat[Math.floor(lat.length * 0.99)] };
   }
   const med = (xs) => xs.slice().sort((a, b) => a - b)[Math.floor(xs.length / 2)];
-  console.log(`# rpc echo, ${CALLS} calls, ${RUNS} runs (medians), provider ${PROVIDER}; load ${(await import("node:os")).loadavg()[0].toFixed(2)}`);
+  console.log(`# rpc echo, ${CALLS} calls after ${WARMUP_MS} ms of warm-up, ${RUNS} runs (medians), provider ${PROVIDER}; load ${(await import("node:os")).loadavg()[0].toFixed(2)}`);
   console.log("| payload | concurrency | async-rdma/rpc calls/s | p50 ms | p99 ms | node socket calls/s | p50 ms | p99 ms | ratio |");
   console.log("|---|---|---|---|---|---|---|---|---|");
   for (const size of SIZES) {

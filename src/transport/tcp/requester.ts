@@ -141,11 +141,15 @@ export class Requester {
     // The ACK timer measures from the first request after an idle period, not from the last response.
     const wasIdle = this.firstSent() === null;
     // One writev for the whole posted list: the tcp provider's "one doorbell" (per-WR corks nest inside).
-    sock.cork();
-    try {
-      this.pumpLoop(sock);
-    } finally {
-      sock.uncork();
+    // A single request is one write already: no cork (its buffering costs more than the write).
+    if (this.sq.length - this.txIdx === 1) this.pumpLoop(sock);
+    else {
+      sock.cork();
+      try {
+        this.pumpLoop(sock);
+      } finally {
+        sock.uncork();
+      }
     }
     if (this.wrotePending) {
       this.wrotePending = false;
