@@ -3,7 +3,8 @@
 // alternating (base, head, base, head, ...), so load drift hits both. The
 // other commit is checked out into a temporary worktree and built there
 // (TypeScript only: the tcp provider); the SAME benchmark programs (this
-// tree's bench/) run against both builds. Prints each metric's median, min
+// tree's bench/) run against both builds. This tree's build is copied first,
+// so it may be rebuilt while the runs go on. Prints each metric's median, min
 // and max per side and the ratio of medians (head / base), with the load.
 //
 //   node bench/ab.mjs <commit> [--pairs 4] [--bench rpc-cpu,send-inprocess] [--keep]
@@ -71,6 +72,15 @@ cpSync(join(root, "bench"), join(base, "bench"), { recursive: true });
 console.error(`ab: building ${rev} in ${base} ...`);
 execFileSync(process.execPath, [join(root, "node_modules/typescript/bin/tsc"), "-p", "tsconfig.json"], { cwd: base, stdio: "inherit" });
 if (!existsSync(join(root, "dist/src/index.js"))) throw new Error("build this tree first: npm run build");
+// The head side runs from a snapshot of this tree's build, so rebuilding here during the runs changes nothing.
+const headDir = mkdtempSync(join(tmpdir(), "async-rdma-ab-head-"));
+for (const f of ["dist", "bench"]) cpSync(join(root, f), join(headDir, f), { recursive: true });
+cpSync(join(root, "package.json"), join(headDir, "package.json"));
+symlinkSync(join(root, "node_modules"), join(headDir, "node_modules"));
+if (existsSync(join(root, "build"))) symlinkSync(join(root, "build"), join(headDir, "build"));
+process.on("exit", () => {
+  if (!argv.includes("--keep")) rmSync(headDir, { recursive: true, force: true });
+});
 
 function runOnce(dir, b) {
   const r = spawnSync(process.execPath, b.args, { cwd: dir, encoding: "utf8", timeout: 600_000, env: { ...process.env, ASYNC_RDMA_PROVIDER: "tcp" } });
@@ -91,7 +101,7 @@ for (const name of chosen) {
   for (let i = 0; i < PAIRS; i++) {
     // Alternate which side goes first, so a trend within a pair does not favour one.
     const order = i % 2 === 0 ? ["base", "head"] : ["head", "base"];
-    for (const side of order) res[side].push(runOnce(side === "base" ? base : root, b));
+    for (const side of order) res[side].push(runOnce(side === "base" ? base : headDir, b));
     console.error(`ab: ${name} pair ${i + 1}/${PAIRS}: base ${res.base.at(-1)} head ${res.head.at(-1)} ${b.unit}`);
   }
   const mb = median(res.base);

@@ -341,6 +341,11 @@ export class Connection implements MemoryHost {
     return this.inbox.receive(signal);
   }
 
+  /** receive() without the immediate: settled with the message's memory. */
+  receiveMr(signal?: AbortSignal): Promise<LocalMr> {
+    return this.inbox.receiveMr(signal);
+  }
+
   receiveWriteImm(signal?: AbortSignal): Promise<number> {
     return this.inbox.receiveWriteImm(signal);
   }

@@ -32,6 +32,13 @@ export interface Received {
   imm: number | undefined;
 }
 
+/** A receive() waiting: settled with the message, or only its memory (`mrOnly`). */
+interface Waiter {
+  resolve(v: unknown): void;
+  reject(e: unknown): void;
+  mrOnly: boolean;
+}
+
 /** What the inbox needs from its connection. */
 export interface InboxHost {
   /** Re-posts one receive buffer (credits flow back to the peer). */
@@ -42,7 +49,7 @@ export interface InboxHost {
 
 export class Inbox {
   private readonly incoming: Incoming[] = [];
-  private readonly waiters: Settle<Received>[] = [];
+  private readonly waiters: Waiter[] = [];
   readonly writeImms = new AsyncQueue<number>("receiveWriteImm");
   /** Messages in `incoming` (not yet taken); immediates count apart (writeImms.length). */
   private heldMsgs = 0;
@@ -127,12 +134,25 @@ export class Inbox {
 
   /** Next message in arrival order. */
   receive(signal?: AbortSignal): Promise<Received> {
+    return this.next(signal, false) as Promise<Received>;
+  }
+
+  /** Next message's memory (receive() without the immediate): one promise, settled with the LocalMr itself. */
+  receiveMr(signal?: AbortSignal): Promise<LocalMr> {
+    return this.next(signal, true) as Promise<LocalMr>;
+  }
+
+  private next(signal: AbortSignal | undefined, mrOnly: boolean): Promise<unknown> {
     const head = this.incoming[0];
-    if (head?.ready && this.waiters.length === 0) return Promise.resolve(this.takeHead());
+    if (head?.ready && this.waiters.length === 0) {
+      const r = this.takeHead();
+      return Promise.resolve(mrOnly ? r.mr : r);
+    }
     const failure = this.host.failed();
     if (failure) return Promise.reject(failure);
-    if (signal?.aborted) return Promise.reject(abortError(signal));
-    return abortableWait<Received>((w) => this.waiters.push(w), { signal, cleanup: this.unwait });
+    if (signal === undefined) return new Promise((resolve, reject) => this.waiters.push({ resolve, reject, mrOnly }));
+    if (signal.aborted) return Promise.reject(abortError(signal));
+    return abortableWait<unknown>((w) => this.waiters.push({ resolve: w.resolve, reject: w.reject, mrOnly }), { signal, cleanup: this.unwait });
   }
 
   receiveWriteImm(signal?: AbortSignal): Promise<number> {
@@ -141,8 +161,8 @@ export class Inbox {
     return p;
   }
 
-  private readonly unwait = (w: Settle<Received>): void => {
-    const i = this.waiters.indexOf(w);
+  private readonly unwait = (w: Settle<unknown>): void => {
+    const i = this.waiters.findIndex((x) => x.resolve === w.resolve);
     if (i >= 0) this.waiters.splice(i, 1);
   };
 
@@ -163,7 +183,9 @@ export class Inbox {
   /** Hands ready messages at the head to waiting receivers, in order. */
   private deliver(): void {
     while (this.waiters.length > 0 && this.incoming[0]?.ready) {
-      this.waiters.shift()!.resolve(this.takeHead());
+      const w = this.waiters.shift()!;
+      const r = this.takeHead();
+      w.resolve(w.mrOnly ? r.mr : r);
     }
   }
 

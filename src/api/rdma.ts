@@ -319,8 +319,8 @@ export class Rdma {
     return this.receiveMr(opts);
   }
 
-  private async receiveMr(opts: OpOptions | undefined): Promise<LocalMr> {
-    return (await this.conn.receive(signalOf(opts))).mr;
+  private receiveMr(opts: OpOptions | undefined): Promise<LocalMr> {
+    return guard(() => this.conn.receiveMr(signalOf(opts)));
   }
 
   /** The next message and its immediate data (undefined when it was sent without). */
