@@ -285,6 +285,15 @@ export class Rdma {
     if (data instanceof LocalMr) return this.conn.send(this.lmr(data, "lmr", what), imm, signalOf(opts));
     const signal = signalOf(opts);
     const lmr = this.staged(data, what);
+    // Eager: the operation pins the staged memory until it completes, so it is released now
+    // (freed when the send settles) and the caller's promise is the operation's own.
+    if (lmr.length <= this.peerEagerThreshold) {
+      try {
+        return this.conn.send(lmr, imm, signal);
+      } finally {
+        lmr.dispose();
+      }
+    }
     return this.released(lmr, () => this.conn.send(lmr, imm, signal));
   }
 

@@ -21,7 +21,7 @@ function counted<T>(fn: () => T): { n: number; v: T } {
 }
 
 describe(`one promise per operation [${PROVIDER}, ${CM}]`, { timeout: 60_000 * (PROVIDER === "verbs" ? 4 : 1) }, () => {
-  it("issue 21 point 1: receive() creates one promise, whether the message is there already or is waited for; send() of a LocalMr creates one", () =>
+  it("issue 21 point 1: receive() creates one promise, whether the message is there already or is waited for; send() creates one, of a LocalMr or of a plain buffer (copied)", () =>
     withApiPair(async ({ server, client }) => {
       const src = client.allocLocalMr(16);
       // Waited for: the receive is posted before the message comes.
@@ -31,6 +31,16 @@ describe(`one promise per operation [${PROVIDER}, ${CM}]`, { timeout: 60_000 * (
       assert.equal(sent.n, 1, `send() created ${sent.n} promises`);
       await sent.v;
       (await waiting.v).dispose();
+      // A plain buffer is copied into registered memory, freed when the send settles: still one promise.
+      const waiting2 = server.receive();
+      const live = client.stats().pool.liveAllocations;
+      const copied = counted(() => client.send(new Uint8Array([1, 2, 3])));
+      assert.equal(copied.n, 1, `send() of a Uint8Array created ${copied.n} promises`);
+      await copied.v;
+      const m = await waiting2;
+      assert.deepEqual(m.bytes, new Uint8Array([1, 2, 3]));
+      m.dispose();
+      await eventually(() => client.stats().pool.liveAllocations === live, 30_000, "the staged copy to be freed once its send completed");
       // There already: the message arrived before receive() is called.
       await client.send(src);
       await eventually(() => server.stats().unread === 1, 30_000, "the message to arrive");
