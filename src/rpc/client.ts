@@ -173,6 +173,13 @@ export class RpcClient<M extends RpcMethods = RpcUntyped> {
     if (timeoutMs !== undefined && (!Number.isInteger(timeoutMs) || timeoutMs < 1)) return Promise.reject(new RdmaError("INVALID_ARGUMENT", "call: timeoutMs must be a positive integer"));
     const id = this.nextId;
     this.nextId = (this.nextId + 1) >>> 0 || 1;
+    if (timeoutMs === undefined && signal === undefined) {
+      // Nothing to watch: the promise's own ends are the pending call's.
+      return new Promise<unknown>((resolve, reject) => {
+        this.pending.set(id, { method, codec, resolve, reject });
+        this.outbox.pushFrame(CALL, id, m, payload as Uint8Array);
+      });
+    }
     return new Promise<unknown>((resolve, reject) => {
       let timer: NodeJS.Timeout | null = null;
       const cleanup = (): void => {
