@@ -7,7 +7,8 @@
  */
 import { RdmaError, checkInt } from "../errors.js";
 import { AsyncQueue } from "../agent/queue.js";
-import { signalOf, whenReady, type Rdma } from "./rdma.js";
+import { whenReady, type Rdma } from "./rdma.js";
+import { signalOf } from "./operands.js";
 import type { ListenerSink, ListenerSource } from "./establish/establisher.js";
 import type { Context } from "./context.js";
 import { LocalMemory, LocalMr } from "../memory/mr.js";

@@ -4,7 +4,7 @@
 import { RdmaError, checkInt } from "../errors.js";
 import { Access, WrOpcode } from "../transport/types.js";
 import type { Connection } from "../agent/connection.js";
-import { LocalMemory, LocalMr, RemoteMr, type RemoteAccess } from "../memory/mr.js";
+import { LocalMemory, LocalMr, type RemoteMr, type RemoteAccess } from "../memory/mr.js";
 import type { PeerLimits } from "../agent/memory-protocol.js";
 import { checkAccess } from "../agent/shares.js";
 import { SharedMr, shareIn, type ShareOptions } from "./shared.js";
@@ -14,45 +14,11 @@ import type { ResolvedSettings } from "./settings.js";
 import type { PeerInfo } from "./establish/auth.js";
 import { closeOptions, endPromise, messagesOf, type CloseOptions, type MessagesOptions } from "./lifecycle.js";
 import { debug, ended, opened, traced, tracing, type OperationName } from "./observe.js";
-import type { PoolStats } from "../memory/pool.js";
 import { createStream, type RdmaStream, type StreamOptions } from "./stream.js";
+import { checkBig, checkImm, guard, localMrOf, optsOf, released, remoteMrOf, signalOf, sizeOf, staged, type OpOptions, type SendData } from "./operands.js";
+import { statsOf, type AgentStats, type RdmaStats } from "./stats.js";
 
-export type { PeerInfo, CloseOptions, MessagesOptions };
-
-/**
- * Bytes to send or write: a LocalMr (zero-copy: the device reads it where
- * it is), or any Uint8Array, Buffer or DataView (copied into registered
- * memory first, as UCX's eager path copies; pooled Buffers included).
- */
-export type SendData = LocalMr | ArrayBufferView;
-
-/** A connection's counters (Rdma.stats()). Counters only grow; the rest are current values. */
-export interface RdmaStats {
-  /** Messages accepted by send/sendWithImm, and their bytes. */
-  messagesSent: number;
-  bytesSent: number;
-  /** Messages that arrived whole (receivable), and their bytes. */
-  messagesReceived: number;
-  bytesReceived: number;
-  /** Sends that went by rendezvous (larger than the peer's eager size: the peer READs them), and messages fetched that way. */
-  rendezvousSent: number;
-  rendezvousReceived: number;
-  /** Work requests posted and not completed, plus those waiting to be posted (credits, send-queue room); a large write counts one per 8 MiB. */
-  operationsInFlight: number;
-  /** Times sending had to wait for the peer's credits (the peer reads slower than this side sends). */
-  creditStalls: number;
-  /** RNR NAKs answered with a retry, where the provider counts them (tcp); null on verbs (the HCA retries unseen). The agent's credits keep it at 0. */
-  rnrRetries: number | null;
-  /** Memory this connection holds. */
-  memory: {
-    /** Registered bytes allocated from the connection's pool and not freed (shared with its newConnection() siblings): your LocalMrs, receive buffers, messages not disposed. */
-    poolBytes: number;
-    /** Bytes of your own memory registered with registerMr and not disposed. */
-    registeredBytes: number;
-    /** Messages received and not read yet. */
-    unreadMessages: number;
-  };
-}
+export type { PeerInfo, CloseOptions, MessagesOptions, OpOptions, SendData, RdmaStats, AgentStats };
 
 /** Message of `async-rdma:connection:open`. */
 export interface ConnectionOpenMessage {
@@ -74,71 +40,6 @@ export interface OperationMessage {
   bytes: number;
   /** Set on end when the operation failed. */
   error: unknown;
-}
-
-/** Options every operation takes. */
-export interface OpOptions {
-  /** Aborts the operation while it has not been posted (rejects with ABORTED). */
-  signal?: AbortSignal;
-}
-
-/** Options objects: absent or an object (null, numbers and strings are misuse). */
-function optsOf<T extends object>(o: T | undefined | null, what: string): Partial<T> {
-  if (o === undefined) return {};
-  if (o === null || typeof o !== "object") throw new RdmaError("INVALID_ARGUMENT", `${what}: options must be an object, got ${o === null ? "null" : typeof o}`);
-  return o;
-}
-
-function checkImm(v: unknown): number {
-  return checkInt("imm", v, 0, 0xffffffff);
-}
-
-function checkBig(v: unknown, name: string): bigint {
-  if (typeof v !== "bigint") throw new RdmaError("INVALID_ARGUMENT", `${name} must be a bigint`);
-  return BigInt.asUintN(64, v);
-}
-
-export function signalOf(o: OpOptions | undefined | null, what = "operation"): AbortSignal | undefined {
-  const s = optsOf(o, what).signal;
-  if (s !== undefined && !(s instanceof AbortSignal)) throw new RdmaError("INVALID_ARGUMENT", "signal must be an AbortSignal");
-  return s;
-}
-
-/** Internal counters (tests and diagnostics; not part of the documented API). */
-/**
- * The agent's own counters, beside {@link RdmaStats} in `rdma.stats()`: for
- * diagnosing a connection (credits, send-queue use, grants and lends held,
- * the memory pool); names may change between minor versions.
- */
-export interface AgentStats {
-  credits: number;
-  sqOutstanding: number;
-  grants: number;
-  quotaUsed: number;
-  lends: number;
-  unclaimedLocal: number;
-  unclaimedRemote: number;
-  unread: number;
-  rendezvousOut: number;
-  sharesOpenedByPeer: number;
-  sharesOpened: number;
-  recycledReceives: number;
-  creditMessages: number;
-  pool: PoolStats;
-}
-
-/** Bytes an operation on `data` moves (tracing only). */
-function sizeOf(data: unknown): number {
-  return data instanceof LocalMr ? data.length : ArrayBuffer.isView(data) ? data.byteLength : 0;
-}
-
-/** Settles a promise that may throw synchronously into a rejected promise. */
-function guard<T>(fn: () => Promise<T>): Promise<T> {
-  try {
-    return fn();
-  } catch (e) {
-    return Promise.reject(e);
-  }
 }
 
 /**
@@ -188,30 +89,6 @@ export class Rdma {
     this.ctx = ctx;
     this.settings = settings;
     this.redial = client?.redial ?? null;
-  }
-
-  /**
-   * A LocalMr this connection may use: its memory must be registered in this
-   * connection's protection domain (allocated or registered on it, on a
-   * newConnection() sibling, or received on it). Memory of another
-   * connection would fail on the device (a local protection error that kills
-   * the connection): refused here, INVALID_ARGUMENT, nothing posted.
-   */
-  private lmr(v: unknown, name: string, what: string): LocalMr {
-    // A closed connection says so first, whatever memory the call names (its own is freed by now).
-    this.conn.checkOpen(what);
-    if (!(v instanceof LocalMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a LocalMr (from allocLocalMr, registerMr or receive)${what === "read" || what === "sendLocalMr" || what === "share" ? "" : ", or a Uint8Array, Buffer or DataView (copied)"}`);
-    v.mem.check(name); // disposed, lent, or freed with its connection: INVALID_STATE
-    if (v.mem.alloc.mr.pd !== this.ctx.pd) {
-      throw new RdmaError("INVALID_ARGUMENT", `${name} belongs to another connection (another protection domain): use memory allocated, registered or received on this connection or a newConnection() sibling, or copy it`);
-    }
-    return v;
-  }
-
-  /** A RemoteMr; whether this connection may use it (the one it came from) is the agent's check (OneSided.checkRemote, agent/one-sided.ts). */
-  private rmr(v: unknown, name: string): RemoteMr {
-    if (!(v instanceof RemoteMr)) throw new RdmaError("INVALID_ARGUMENT", `${name} must be a RemoteMr (from requestRemoteMr or receiveRemoteMr)`);
-    return v;
   }
 
   /** "tcp" or "verbs": the provider this connection runs on. */
@@ -282,9 +159,9 @@ export class Rdma {
   }
 
   private sendNow(data: unknown, imm: number | undefined, opts: OpOptions | undefined, what: string): Promise<void> {
-    if (data instanceof LocalMr) return this.conn.send(this.lmr(data, "lmr", what), imm, signalOf(opts));
+    if (data instanceof LocalMr) return this.conn.send(localMrOf(this.conn, this.ctx.pd, data, "lmr", what), imm, signalOf(opts));
     const signal = signalOf(opts);
-    const lmr = this.staged(data, what);
+    const lmr = staged(this.conn, data, what, (n) => this.allocLocalMr(n));
     // Eager: the operation pins the staged memory until it completes, so it is released now
     // (freed when the send settles) and the caller's promise is the operation's own.
     if (lmr.length <= this.peerEagerThreshold) {
@@ -294,32 +171,7 @@ export class Rdma {
         lmr.dispose();
       }
     }
-    return this.released(lmr, () => this.conn.send(lmr, imm, signal));
-  }
-
-  /**
-   * A plain buffer copied into registered memory from the pool (one
-   * allocation and one copy; the pool recycles small sizes), freed once the
-   * operation settles.
-   */
-  private staged(v: unknown, what: string): LocalMr {
-    this.conn.checkOpen(what);
-    if (!ArrayBuffer.isView(v)) throw new RdmaError("INVALID_ARGUMENT", `${what}: the data must be a LocalMr, or a Uint8Array, Buffer or DataView (copied), got ${v === null ? "null" : typeof v}`);
-    const lmr = this.allocLocalMr(v.byteLength);
-    if (v.byteLength > 0) lmr.bytes.set(new Uint8Array(v.buffer, v.byteOffset, v.byteLength));
-    return lmr;
-  }
-
-  /** Runs an operation on staged memory and frees it once the operation settles (or throws). */
-  private released(lmr: LocalMr, op: () => Promise<void>): Promise<void> {
-    let p: Promise<void>;
-    try {
-      p = op();
-    } catch (e) {
-      lmr.dispose();
-      throw e;
-    }
-    return p.finally(() => lmr.dispose());
+    return released(lmr, () => this.conn.send(lmr, imm, signal));
   }
 
   /** The next message, in a LocalMr of exactly its length (dispose it when done). */
@@ -374,11 +226,11 @@ export class Rdma {
   }
 
   private writeNow(data: unknown, rmr: RemoteMr, imm: number | undefined, opts: OpOptions | undefined, what: string): Promise<void> {
-    if (data instanceof LocalMr) return this.conn.write(this.lmr(data, "lmr", what), this.rmr(rmr, "rmr"), imm, signalOf(opts));
-    const r = this.rmr(rmr, "rmr");
+    if (data instanceof LocalMr) return this.conn.write(localMrOf(this.conn, this.ctx.pd, data, "lmr", what), remoteMrOf(rmr, "rmr"), imm, signalOf(opts));
+    const r = remoteMrOf(rmr, "rmr");
     const signal = signalOf(opts);
-    const lmr = this.staged(data, what);
-    return this.released(lmr, () => this.conn.write(lmr, r, imm, signal));
+    const lmr = staged(this.conn, data, what, (n) => this.allocLocalMr(n));
+    return released(lmr, () => this.conn.write(lmr, r, imm, signal));
   }
 
   /** The immediate of the next WRITE_WITH_IMM from the peer. */
@@ -389,20 +241,20 @@ export class Rdma {
 
   /** One-sided RDMA READ of `rmr` into `lmr` (lmr.length bytes). */
   read(lmr: LocalMr, rmr: RemoteMr, opts?: OpOptions): Promise<void> {
-    if (tracing()) return traced(this, "read", lmr instanceof LocalMr ? lmr.length : 0, () => this.conn.read(this.lmr(lmr, "lmr", "read"), this.rmr(rmr, "rmr"), signalOf(opts)));
-    return guard(() => this.conn.read(this.lmr(lmr, "lmr", "read"), this.rmr(rmr, "rmr"), signalOf(opts)));
+    if (tracing()) return traced(this, "read", lmr instanceof LocalMr ? lmr.length : 0, () => this.conn.read(localMrOf(this.conn, this.ctx.pd, lmr, "lmr", "read"), remoteMrOf(rmr, "rmr"), signalOf(opts)));
+    return guard(() => this.conn.read(localMrOf(this.conn, this.ctx.pd, lmr, "lmr", "read"), remoteMrOf(rmr, "rmr"), signalOf(opts)));
   }
 
   /** Atomic compare-and-swap on 8 aligned bytes of `rmr`; resolves to the old value. */
   compareAndSwap(rmr: RemoteMr, compare: bigint, swap: bigint, opts?: OpOptions): Promise<bigint> {
-    if (tracing()) return traced(this, "compareAndSwap", 8, () => this.conn.atomic(this.rmr(rmr, "rmr"), WrOpcode.ATOMIC_CMP_AND_SWP, checkBig(compare, "compare"), checkBig(swap, "swap"), signalOf(opts)));
-    return guard(() => this.conn.atomic(this.rmr(rmr, "rmr"), WrOpcode.ATOMIC_CMP_AND_SWP, checkBig(compare, "compare"), checkBig(swap, "swap"), signalOf(opts)));
+    if (tracing()) return traced(this, "compareAndSwap", 8, () => this.conn.atomic(remoteMrOf(rmr, "rmr"), WrOpcode.ATOMIC_CMP_AND_SWP, checkBig(compare, "compare"), checkBig(swap, "swap"), signalOf(opts)));
+    return guard(() => this.conn.atomic(remoteMrOf(rmr, "rmr"), WrOpcode.ATOMIC_CMP_AND_SWP, checkBig(compare, "compare"), checkBig(swap, "swap"), signalOf(opts)));
   }
 
   /** Atomic fetch-and-add on 8 aligned bytes of `rmr`; resolves to the old value. */
   fetchAndAdd(rmr: RemoteMr, add: bigint, opts?: OpOptions): Promise<bigint> {
-    if (tracing()) return traced(this, "fetchAndAdd", 8, () => this.conn.atomic(this.rmr(rmr, "rmr"), WrOpcode.ATOMIC_FETCH_AND_ADD, checkBig(add, "add"), 0n, signalOf(opts)));
-    return guard(() => this.conn.atomic(this.rmr(rmr, "rmr"), WrOpcode.ATOMIC_FETCH_AND_ADD, checkBig(add, "add"), 0n, signalOf(opts)));
+    if (tracing()) return traced(this, "fetchAndAdd", 8, () => this.conn.atomic(remoteMrOf(rmr, "rmr"), WrOpcode.ATOMIC_FETCH_AND_ADD, checkBig(add, "add"), 0n, signalOf(opts)));
+    return guard(() => this.conn.atomic(remoteMrOf(rmr, "rmr"), WrOpcode.ATOMIC_FETCH_AND_ADD, checkBig(add, "add"), 0n, signalOf(opts)));
   }
 
   /**
@@ -432,7 +284,7 @@ export class Rdma {
       const o = optsOf(opts, "sendLocalMr");
       const lease = o.leaseMs === undefined ? this.settings.defaultLeaseMs : checkInt("leaseMs", o.leaseMs, 1, 2 ** 31);
       const access = o.access === undefined ? "atomic" : checkAccess(o.access, "sendLocalMr");
-      return this.conn.sendLocalMr(this.lmr(lmr, "lmr", "sendLocalMr"), lease, signalOf(o, "sendLocalMr"), access);
+      return this.conn.sendLocalMr(localMrOf(this.conn, this.ctx.pd, lmr, "lmr", "sendLocalMr"), lease, signalOf(o, "sendLocalMr"), access);
     });
   }
 
@@ -443,7 +295,7 @@ export class Rdma {
    */
   share(name: string, lmr: LocalMr, opts?: ShareOptions): SharedMr {
     this.conn.checkOpen("share");
-    return shareIn(this.ctx.shares, name, this.lmr(lmr, "lmr", "share"), opts);
+    return shareIn(this.ctx.shares, name, localMrOf(this.conn, this.ctx.pd, lmr, "lmr", "share"), opts);
   }
 
   /**
@@ -467,7 +319,7 @@ export class Rdma {
    * with OUT_OF_RANGE naming it). Same as `rmr.renew(leaseMs)`.
    */
   renew(rmr: RemoteMr, leaseMs: number, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.renew(this.rmr(rmr, "rmr"), checkInt("leaseMs", leaseMs, 1, 2 ** 31), signalOf(opts, "renew")));
+    return guard(() => this.conn.renew(remoteMrOf(rmr, "rmr"), checkInt("leaseMs", leaseMs, 1, 2 ** 31), signalOf(opts, "renew")));
   }
 
   /**
@@ -495,7 +347,7 @@ export class Rdma {
 
   /** Hands a remote region back to its owner (receiveLocalMr there); this side loses access. */
   sendRemoteMr(rmr: RemoteMr, opts?: OpOptions): Promise<void> {
-    return guard(() => this.conn.sendRemoteMr(this.rmr(rmr, "rmr"), signalOf(opts)));
+    return guard(() => this.conn.sendRemoteMr(remoteMrOf(rmr, "rmr"), signalOf(opts)));
   }
 
   /** Own memory the peer handed back with sendRemoteMr (after writing into it, typically). */
@@ -522,26 +374,7 @@ export class Rdma {
    * const { messagesSent, bytesSent, creditStalls } = rdma.stats();
    */
   stats(): RdmaStats & AgentStats {
-    const c = this.conn;
-    const t = c.traffic;
-    const internal = c.stats();
-    const pool = this.ctx.pool.stats();
-    let registeredBytes = 0;
-    for (const m of this.userMrs) registeredBytes += m.alloc.length;
-    return {
-      messagesSent: t.messagesSent,
-      bytesSent: t.bytesSent,
-      messagesReceived: t.messagesReceived,
-      bytesReceived: t.bytesReceived,
-      rendezvousSent: t.rendezvousSent,
-      rendezvousReceived: t.rendezvousReceived,
-      operationsInFlight: c.workInFlight,
-      creditStalls: t.creditStalls,
-      rnrRetries: c.qp.rnrRetries ?? null,
-      memory: { poolBytes: pool.liveBytes, registeredBytes, unreadMessages: internal.unread },
-      ...internal,
-      pool,
-    };
+    return statsOf(this.conn, this.ctx.pool, this.userMrs);
   }
 
   /** Whether the connection has ended (closed by either side, or failed) and released its resources. See {@link closed} for a promise. */

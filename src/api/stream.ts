@@ -8,89 +8,35 @@
  * the peer by a random name (`share()`, which has no lease: a stream may live
  * for hours). The writer copies a chunk into registered memory and RDMA
  * WRITEs it WITH IMMEDIATE at the ring's tail; the immediate is the chunk's
- * length (1..MAX_CHUNK). A chunk never wraps: the writer cuts it at the
- * ring's end and goes on at offset 0, so both sides know every chunk's
- * offset from the byte count alone. The reader copies each chunk out (so the
- * ring space is free again at once) and gives ring credit back as the
- * application consumes, so a reader that does not read holds at most RING bytes.
+ * length (1..MAX_CHUNK). The reader copies each chunk out (so the ring space
+ * is free again at once) and gives ring credit back as the application
+ * consumes. The parts: the control messages' bytes (stream-wire.ts), the
+ * credit both ways, the chunk rules and the ring memory (stream-ring.ts),
+ * the idle timeout (stream-idle.ts), what a stream sees of its connection
+ * (stream-connection.ts).
  *
- * Control messages are two-sided (send/receive); byte 0 is the kind:
- *   0x02 FIN: 9 bytes, then a u64 (big-endian): the total bytes this side
- *        wrote; the peer will write no more (half-close). The reader ends
- *        once it has read that many (the FIN may overtake the last WRITEs).
- *   0x03 WND: 5 bytes, a u32 (big-endian, 1..RING): the reader consumed that
- *        much more, the writer may write that much more. A WND that returns
- *        more than was written is a PROTOCOL error.
- *   0x04 RING?: 1 byte: the writer has data; the reader allocates and shares its ring.
- *   0x05 RING: 1 + 1..256 bytes: the UTF-8 name of the reader's shared ring (RING bytes).
- * Anything else, an immediate that runs past the ring or past the credit, a
- * second RING? or an unasked RING is a PROTOCOL error that destroys the
- * stream (the process lives on).
+ * Invariant of this file, the Duplex glue: every message and chunk from the
+ * peer is judged against that state before it counts; anything malformed or
+ * unwelcome (an immediate past the ring or the credit, a second RING?, an
+ * unasked RING) is a PROTOCOL error that destroys the stream (the process
+ * lives on); the stream ends cleanly only once both directions ended.
  */
 import { Duplex } from "node:stream";
 import { isIP } from "node:net";
-import { randomUUID } from "node:crypto";
 import { RdmaError } from "../errors.js";
 import type { LocalMr, RemoteMr } from "../memory/mr.js";
-import type { PeerInfo } from "./establish/auth.js";
-import type { SharedMr, ShareOptions } from "./shared.js";
+import type { StreamConnection, StreamOptions } from "./stream-connection.js";
+import { MAX_CHUNK, MAX_INFLIGHT, RING, PeerRing, ReceiveRing, RingCredit } from "./stream-ring.js";
+import { controlMr, decodeControl, describeControl, encodeFin, encodeRingName, encodeRingRequest, encodeWnd, sendControl } from "./stream-wire.js";
+import { IdleTimer } from "./stream-idle.js";
 
-/**
- * What a stream uses of its connection (an Rdma). Structural, so this file
- * does not import rdma.ts, which imports it for `createStream()`; a
- * stream's `connection` has its connection's own type (`RdmaStream<Rdma>`).
- */
-export interface StreamConnection {
-  readonly isClosed: boolean;
-  readonly peer: PeerInfo;
-  /** Registered memory a control message lives in. */
-  allocLocalMr(size: number): LocalMr;
-  /** Registers the receive ring in place. */
-  registerMr(buffer: ArrayBuffer): LocalMr;
-  /** Sends one control message. */
-  send(data: LocalMr): Promise<void>;
-  /** The next control message. */
-  receive(opts: { signal: AbortSignal }): Promise<LocalMr>;
-  /** Writes one chunk into the peer's ring (copied into registered memory first). */
-  writeWithImm(data: Uint8Array, rmr: RemoteMr, imm: number): Promise<void>;
-  /** The length of the next chunk the peer wrote into this side's ring. */
-  receiveWriteImm(opts: { signal: AbortSignal }): Promise<number>;
-  /** Shares this side's ring with the peer. */
-  share(name: string, lmr: LocalMr, opts?: ShareOptions): SharedMr;
-  /** Opens the peer's ring. */
-  openSharedMr(name: string, opts: { signal: AbortSignal }): Promise<RemoteMr>;
-  /** Closes the connection when the stream ends (unless `closeConnection: false`). */
-  close(): Promise<void>;
-  /** The connection keeps the process alive (stream.ref()). */
-  ref(): unknown;
-  /** The connection lets the process exit (stream.unref()). */
-  unref(): unknown;
-}
+export type { StreamConnection, StreamOptions };
+export { MAX_CHUNK, MAX_INFLIGHT, RING };
 
-const FIN = 0x02;
-const WND = 0x03;
-const RING_REQ = 0x04;
-const RING_NAME = 0x05;
-/** Bytes of each side's receive ring: what the writer may have written and the reader's application not yet read. */
-export const RING = 1024 * 1024;
-/** Largest chunk of one WRITE (bigger writes are cut into this). */
-export const MAX_CHUNK = 256 * 1024;
-/** WRITEs one stream keeps posted at once. */
-export const MAX_INFLIGHT = 8;
 /** The writable side's buffer: writes made while the ring is full or MAX_INFLIGHT are posted are gathered (writev) into one chunk of up to about this. */
 const WRITE_HWM = 256 * 1024;
 /** The readable side's high-water mark (as a net.Socket's). */
 const READ_HWM = 64 * 1024;
-/** Longest ring name a peer may send (as a share name). */
-const MAX_NAME = 256;
-
-/** Options of {@link Rdma.createStream} and of `async-rdma/net` sockets. */
-export interface StreamOptions {
-  /** false (default, as `net.Socket`): the stream ends its writable side once the peer's has ended. */
-  allowHalfOpen?: boolean;
-  /** Whether destroying the stream, or its end in both directions, closes the connection (default true). */
-  closeConnection?: boolean;
-}
 
 /** Connections that carry a stream (one at a time). */
 const streams = new WeakSet<object>();
@@ -102,26 +48,12 @@ const streams = new WeakSet<object>();
 export class RdmaStream<C extends StreamConnection = StreamConnection> extends Duplex {
   private rdma: C | null = null;
   private ownsConn = true;
-  /** Ring bytes this side allowed the peer to write so far (bytesRead may reach it). */
-  private granted = RING;
-  /** Ring bytes the peer allowed this side to write so far. */
-  private window = RING;
-  /** Bytes this side has posted as WRITEs (its offset in the peer's ring is posted % RING). */
-  private posted = 0;
-  /** The peer's ring once opened; `ringAsked` once RING? went out. */
-  private peerRing: RemoteMr | null = null;
-  private ringAsked = false;
-  /**
-   * This side's receive ring (allocated on the peer's RING?), its bytes and
-   * its share. The ring is the stream's own ArrayBuffer registered in place,
-   * not pool memory: a connection that closes frees its pool (on verbs at
-   * once), and chunks the peer wrote before closing are still to be copied out.
-   */
-  private ring: LocalMr | null = null;
-  private ringBytes: Uint8Array | null = null;
-  private shared: SharedMr | null = null;
-  /** The peer's total from its FIN (-1: none yet). */
-  private peerFinAt = -1;
+  /** Ring credit both ways, and the peer's FIN total. */
+  private readonly credit = new RingCredit();
+  /** The peer's ring: asked for (RING?), then opened (see stream-ring.ts). */
+  private readonly peerRing = new PeerRing();
+  /** This side's receive ring (allocated on the peer's RING?, see stream-ring.ts). */
+  private readonly recvRing = new ReceiveRing();
   private peerFin = false;
   private finSent = false;
   private inflight = 0;
@@ -129,8 +61,10 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   private idleWaiters: (() => void)[] = [];
   private failed: Error | null = null;
   private queued: ((rdma: C) => void)[] = [];
-  private timeoutMs = 0;
-  private timer: NodeJS.Timeout | null = null;
+  /** The idle timeout (setTimeout), restarted by every read and write. */
+  private readonly idle = new IdleTimer(() => {
+    if (!this.destroyed) this.emit("timeout");
+  });
   /** The peer's address (as `net.Socket`). */
   remoteAddress: string | undefined = undefined;
   /** The peer's port (as `net.Socket`). */
@@ -209,12 +143,9 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   private grant(): void {
     const rdma = this.rdma;
     if (!rdma || this.destroyed || this.peerFin) return;
-    const give = this.consumed() + RING - this.granted;
-    if (give < RING / 4) return;
-    this.granted += give;
-    const b = Buffer.alloc(5);
-    b[0] = WND;
-    b.writeUInt32BE(give, 1);
+    const give = this.credit.give(this.consumed());
+    if (give === 0) return;
+    const b = encodeWnd(give);
     // Credit for a peer that has closed has nowhere to go: the receive loops, still draining what
     // it wrote before closing, decide whether that close was the normal end.
     this.post(rdma, b, (e) => this.sent(e instanceof RdmaError && e.code === "CONNECTION_CLOSED" ? null : e));
@@ -246,7 +177,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
 
   /** The peer's data has all been read once its FIN came and its total is in. */
   private checkEnd(): void {
-    if (this.peerFin || this.peerFinAt < 0 || this.bytesRead < this.peerFinAt) return;
+    if (this.peerFin || this.credit.peerFinAt < 0 || this.bytesRead < this.credit.peerFinAt) return;
     this.peerFin = true;
     this.push(null);
   }
@@ -265,47 +196,28 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
           } finally {
             mr.dispose();
           }
-          const kind = msg.length > 0 ? msg[0] : -1;
-          if (kind === WND && msg.length === 5) {
-            const n = msg.readUInt32BE(1);
-            if (n === 0 || this.window + n > this.posted + RING) return this.protocol(`the peer returned ${n} bytes of ring credit, more than was written (${this.posted + RING - this.window} at most)`);
-            this.window += n;
+          const c = decodeControl(msg);
+          if (c?.kind === "wnd") {
+            const bad = this.credit.windowUpdate(c.n);
+            if (bad !== null) return this.protocol(bad);
             this.sent(null);
             return next();
           }
-          if (kind === FIN && msg.length === 9 && this.peerFinAt < 0) {
-            const total = msg.readUInt32BE(1) * 2 ** 32 + msg.readUInt32BE(5);
-            if (total < this.bytesRead || total > this.granted) return this.protocol(`the peer's FIN counts ${total} bytes, ${this.bytesRead} were read and ${this.granted} allowed`);
-            this.peerFinAt = total;
+          if (c?.kind === "fin" && this.credit.peerFinAt < 0) {
+            const bad = this.credit.fin(c.total, this.bytesRead);
+            if (bad !== null) return this.protocol(bad);
             this.checkEnd();
             return next(); // window updates may still come for what this side writes
           }
-          if (kind === RING_REQ && msg.length === 1 && this.ring === null) {
+          if (c?.kind === "ringRequest" && this.recvRing.mr === null) {
             if (!this.openRing(rdma)) return;
             return next();
           }
-          if (kind === RING_NAME && msg.length > 1 && msg.length <= 1 + MAX_NAME && this.ringAsked && this.peerRing === null && !this.ringOpening) {
-            this.ringOpening = true;
-            rdma.openSharedMr(msg.toString("utf8", 1), { signal: this.stop.signal }).then(
-              (rmr) => {
-                if (this.destroyed) return void freeRemote(rmr);
-                if (rmr.length !== RING) {
-                  freeRemote(rmr);
-                  return this.protocol(`the peer's ring is ${rmr.length} bytes, not ${RING}`);
-                }
-                this.peerRing = rmr;
-                this.sent(null);
-              },
-              (e: unknown) => {
-                if (this.destroyed) return;
-                if (e instanceof RdmaError && e.code === "NOT_FOUND") return this.protocol(`the peer's ring cannot be opened (${e.message})`);
-                if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") return; // the message loop decides
-                this.destroy(e instanceof Error ? e : new Error(String(e)));
-              },
-            );
+          if (c?.kind === "ringName" && this.peerRing.welcome()) {
+            this.peerRing.open(rdma, c.name, this.stop.signal, { gone: () => this.destroyed, protocol: (what) => this.protocol(what), opened: () => this.sent(null), fail: (e) => this.destroy(e) });
             return next();
           }
-          this.protocol(`malformed message from the peer (kind ${kind}, ${msg.length} bytes)`);
+          this.protocol(`malformed message from the peer (${describeControl(msg)})`);
         },
         (e: unknown) => this.loopFailed(e),
       );
@@ -313,24 +225,16 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     next();
   }
 
-  private ringOpening = false;
-
   /** The peer has data: allocates this side's ring, shares it and sends its name; takes the peer's WRITEs from then on. */
   private openRing(rdma: C): boolean {
-    const name = `async-rdma/stream/${randomUUID()}`;
+    let name: string;
     try {
-      const buffer = new ArrayBuffer(RING);
-      this.ring = rdma.registerMr(buffer);
-      this.ringBytes = new Uint8Array(buffer);
-      this.shared = rdma.share(name, this.ring, { access: "write" });
+      name = this.recvRing.open(rdma);
     } catch (e) {
       this.destroy(e as Error);
       return false;
     }
-    const b = Buffer.alloc(1 + Buffer.byteLength(name));
-    b[0] = RING_NAME;
-    b.write(name, 1);
-    this.post(rdma, b, (e) => this.sent(e));
+    this.post(rdma, encodeRingName(name), (e) => this.sent(e));
     this.drainRing(rdma);
     return true;
   }
@@ -341,15 +245,14 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     const next = (): void => {
       if (this.destroyed) return;
       rdma.receiveWriteImm({ signal: this.stop.signal }).then((len) => {
-        const ring = this.ringBytes;
+        const ring = this.recvRing.bytes;
         if (this.destroyed || !ring) return;
+        const bad = this.credit.chunkError(len, this.bytesRead);
+        if (bad !== null) return this.protocol(bad);
         const off = this.bytesRead % RING;
-        if (len < 1 || len > MAX_CHUNK || off + len > RING) return this.protocol(`the peer wrote a chunk of ${len} bytes at ring offset ${off} (the ring is ${RING} bytes, a chunk at most ${MAX_CHUNK})`);
-        if (this.bytesRead + len > this.granted) return this.protocol(`the peer wrote past the ring credit it was given (${this.granted - this.bytesRead} bytes left, got ${len})`);
-        if (this.peerFinAt >= 0 && this.bytesRead + len > this.peerFinAt) return this.protocol(`the peer wrote past the end its FIN announced (${this.peerFinAt} bytes)`);
         const data = Buffer.from(ring.subarray(off, off + len)); // a copy: that ring space is free again
         this.bytesRead += len;
-        this.touch();
+        this.idle.touch();
         if (this.push(data)) this.grant();
         this.checkEnd();
         next();
@@ -364,35 +267,20 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   private post(rdma: C, msg: Uint8Array, cb: (e: Error | null) => void): void {
     let mr: LocalMr;
     try {
-      mr = rdma.allocLocalMr(msg.length);
-      mr.bytes.set(msg);
+      mr = controlMr(rdma, msg);
     } catch (e) {
       return cb(e as Error);
     }
     this.inflight++;
-    const m = mr;
-    rdma.send(m).then(
-      () => {
-        m.dispose();
-        this.inflight--;
-        cb(null);
-      },
-      (e: unknown) => {
-        try {
-          m.dispose();
-        } catch {
-          /* freed with its connection */
-        }
-        this.inflight--;
-        cb(e instanceof Error ? e : new Error(String(e)));
-      },
-    );
+    sendControl(rdma, mr, (e) => {
+      this.inflight--;
+      cb(e);
+    });
   }
 
   /** WRITEs `len` bytes of `data` at the tail of the peer's ring. */
   private postData(rdma: C, ring: RemoteMr, data: Uint8Array, start: number, len: number): void {
-    const at = this.posted % RING;
-    this.posted += len;
+    const at = this.credit.post(len);
     this.inflight++;
     let p: Promise<void>;
     try {
@@ -417,27 +305,26 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   private sendData(data: Uint8Array, cb: (e?: Error | null) => void): void {
     this.withConn((rdma) => {
       if (this.failed) return cb(this.failed);
-      this.touch();
+      this.idle.touch();
       let off = 0;
       const step = (): void => {
         if (this.failed) return cb(this.failed);
-        const ring = this.peerRing;
+        const ring = this.peerRing.rmr;
         if (!ring) {
-          if (!this.ringAsked) {
-            this.ringAsked = true;
-            this.post(rdma, Buffer.of(RING_REQ), (e) => this.sent(e));
+          if (!this.peerRing.asked) {
+            this.peerRing.asked = true;
+            this.post(rdma, encodeRingRequest(), (e) => this.sent(e));
           }
           this.waiting = step;
           return;
         }
         while (off < data.length) {
-          const room = this.window - this.posted;
-          if (this.inflight >= MAX_INFLIGHT || room <= 0) {
+          if (this.inflight >= MAX_INFLIGHT || this.credit.room() <= 0) {
             this.waiting = step;
             return;
           }
           // a chunk never wraps: cut at the ring's end, the next one starts at 0
-          const len = Math.min(MAX_CHUNK, data.length - off, room, RING - (this.posted % RING));
+          const len = this.credit.nextChunk(data.length - off);
           this.postData(rdma, ring, data, off, len);
           off += len;
         }
@@ -457,7 +344,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
       if (!this.destroyed) this.destroy(e);
     }
     const w = this.waiting;
-    if (w && ((this.peerRing !== null && this.inflight < MAX_INFLIGHT && this.window > this.posted) || this.failed)) {
+    if (w && ((this.peerRing.rmr !== null && this.inflight < MAX_INFLIGHT && this.credit.room() > 0) || this.failed)) {
       this.waiting = null;
       w();
     }
@@ -487,11 +374,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
       const fin = (): void => {
         if (this.failed) return cb(this.failed);
         this.finSent = true;
-        const b = Buffer.alloc(9);
-        b[0] = FIN;
-        b.writeUInt32BE(Math.floor(this.posted / 2 ** 32), 1);
-        b.writeUInt32BE(this.posted % 2 ** 32, 5);
-        this.post(rdma, b, (e) => {
+        this.post(rdma, encodeFin(this.credit.posted), (e) => {
           // The peer closes only once both directions ended: a FIN whose completion lost that race had arrived.
           if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED" && this.readableEnded) e = null;
           this.sent(e);
@@ -505,7 +388,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
 
   /** Duplex: `destroy()` — stops at once and closes the connection (unless `closeConnection: false`). */
   override _destroy(err: Error | null, cb: (e?: Error | null) => void): void {
-    this.clearTimer();
+    this.idle.clear();
     const rdma = this.rdma;
     if (!rdma) {
       // never connected: whoever attaches later finds the stream destroyed
@@ -514,28 +397,9 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     }
     streams.delete(rdma);
     this.stop.abort();
-    if (this.peerRing) freeRemote(this.peerRing);
-    this.peerRing = null;
+    this.peerRing.free();
     // The ring is freed once the peer can no longer reach it (the share revoked in order, or the connection gone).
-    const ring = this.ring;
-    const shared = this.shared;
-    this.ring = null;
-    this.ringBytes = null;
-    this.shared = null;
-    const freeRing = (): void => {
-      try {
-        ring?.dispose();
-      } catch {
-        /* freed with its connection */
-      }
-    };
-    let revoked: Promise<void> = Promise.resolve();
-    try {
-      if (shared) revoked = shared.revoke();
-    } catch {
-      /* the connection's shares are already gone */
-    }
-    const freed = revoked.then(freeRing, freeRing);
+    const freed = this.recvRing.release();
     if (!this.ownsConn) return void freed.then(() => cb(err));
     rdma.close().then(
       () => cb(err),
@@ -560,32 +424,18 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
    * The stream is not ended; listen to 'timeout' and end it yourself.
    */
   setTimeout(ms: number, cb?: () => void): this {
-    this.timeoutMs = ms > 0 ? ms : 0;
+    this.idle.ms = ms > 0 ? ms : 0;
     if (cb) {
-      if (this.timeoutMs > 0) this.once("timeout", cb);
+      if (this.idle.ms > 0) this.once("timeout", cb);
       else this.removeListener("timeout", cb);
     }
-    this.touch();
+    this.idle.touch();
     return this;
   }
 
   /** The stream's idle timeout in ms (0: none). */
   get timeout(): number | undefined {
-    return this.timeoutMs || undefined;
-  }
-
-  private touch(): void {
-    if (this.timeoutMs === 0) return this.clearTimer();
-    if (this.timer) return void this.timer.refresh();
-    this.timer = setTimeout(() => {
-      this.timer = null;
-      if (!this.destroyed) this.emit("timeout");
-    }, this.timeoutMs).unref();
-  }
-
-  private clearTimer(): void {
-    if (this.timer) clearTimeout(this.timer);
-    this.timer = null;
+    return this.idle.ms || undefined;
   }
 
   /**
@@ -625,14 +475,6 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   /** Closes the stream (and the connection under it) without ending it: the peer gets an error, as for a reset socket. */
   resetAndDestroy(): this {
     return this.destroy();
-  }
-}
-
-function freeRemote(rmr: RemoteMr): void {
-  try {
-    rmr.dispose();
-  } catch {
-    /* closed with its connection */
   }
 }
 

@@ -10,6 +10,7 @@ import { codecOf, type RpcCodec } from "./codec.js";
 import { decodeError, RpcError } from "./error.js";
 import { CALL, CANCEL, decodeFrames, EMPTY, enc, ERROR, HDR, MAX_METHOD, OK, type Frame } from "./frame.js";
 import { Outbox } from "./outbox.js";
+import { abortableWait, type Settle } from "../transport/wait.js";
 import type { CallOptions, RpcCallArgs, RpcCodecs, RpcMethodName, RpcMethods, RpcUntyped } from "./types.js";
 
 /** Options of `new RpcClient(rdma, opts)`. */
@@ -180,35 +181,25 @@ export class RpcClient<M extends RpcMethods = RpcUntyped> {
         this.outbox.pushFrame(CALL, id, m, payload as Uint8Array);
       });
     }
-    return new Promise<unknown>((resolve, reject) => {
-      let timer: NodeJS.Timeout | null = null;
-      const cleanup = (): void => {
-        if (timer) clearTimeout(timer);
-        signal?.removeEventListener("abort", onAbort);
-      };
-      const cancel = (e: RdmaError): void => {
-        if (!this.pending.delete(id)) return;
-        cleanup();
-        this.outbox.pushFrame(CANCEL, id, null, EMPTY);
-        reject(e);
-      };
-      const onAbort = (): void => cancel(new RdmaError("ABORTED", `${method} aborted`));
-      if (timeoutMs !== undefined) timer = setTimeout(() => cancel(new RdmaError("TIMEOUT", `${method} timed out after ${timeoutMs} ms`)), timeoutMs);
-      signal?.addEventListener("abort", onAbort, { once: true });
-      this.pending.set(id, {
-        method,
-        codec,
-        resolve: (v) => {
-          cleanup();
-          resolve(v);
-        },
-        reject: (e) => {
-          cleanup();
-          reject(e);
-        },
-      });
-      this.outbox.pushFrame(CALL, id, m, payload as Uint8Array);
-    });
+    // A call ends once: its reply or error (the pending entry's ends), or an abort or timeout,
+    // which also tells the server (CANCEL) while the call is still pending.
+    const cancel = (w: Settle<unknown>, e: RdmaError): void => {
+      if (!this.pending.delete(id)) return;
+      this.outbox.pushFrame(CANCEL, id, null, EMPTY);
+      w.reject(e);
+    };
+    return abortableWait<unknown>(
+      (w) => {
+        this.pending.set(id, { method, codec, resolve: w.resolve, reject: w.reject });
+        this.outbox.pushFrame(CALL, id, m, payload as Uint8Array);
+      },
+      {
+        signal,
+        timeoutMs,
+        onAbort: (w) => cancel(w, new RdmaError("ABORTED", `${method} aborted`)),
+        onTimeout: (w) => cancel(w, new RdmaError("TIMEOUT", `${method} timed out after ${timeoutMs} ms`)),
+      },
+    );
   }
 
   private readonly methods = new Map<string, Uint8Array>();

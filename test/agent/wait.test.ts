@@ -7,6 +7,7 @@ import assert from "node:assert/strict";
 import { getEventListeners } from "node:events";
 import { RdmaError } from "../../src/index.js";
 import { abortableWait, type Settle } from "../../src/agent/queue.js";
+import * as lowest from "../../src/transport/wait.js";
 
 describe("abortableWait (agent/queue.ts)", () => {
   it("the event settles it once; cleanup runs once and the abort listener is removed", async () => {
@@ -72,5 +73,46 @@ describe("abortableWait (agent/queue.ts)", () => {
     end.resolve();
     await p;
     assert.equal(process.getActiveResourcesInfo().filter((r) => r === "Timeout").length, before);
+  });
+});
+
+describe("one abortable wait for every site (issue 20 point 3: transport/wait.ts)", () => {
+  it("agent/queue.ts re-exports the one helper from transport/wait.ts (the lowest layer that waits: the verbs provider's RDMA CM)", () => {
+    assert.equal(abortableWait, lowest.abortableWait);
+  });
+
+  it("onAbort replaces the default ABORTED error (the RDMA CM's and the RPC client's own messages), also for a signal already aborted; the wait still ends once", async () => {
+    const ac = new AbortController();
+    let cleanups = 0;
+    let told = 0;
+    const p = lowest.abortableWait<number>(() => {}, {
+      signal: ac.signal,
+      timeoutMs: 3_600_000,
+      onAbort: (s) => {
+        told++;
+        s.reject(new RdmaError("ABORTED", "the step aborted"));
+      },
+      cleanup: () => cleanups++,
+    });
+    ac.abort();
+    await assert.rejects(p, (e: RdmaError) => e.code === "ABORTED" && e.message === "the step aborted");
+    assert.equal(told, 1);
+    assert.equal(cleanups, 1);
+    assert.equal(getEventListeners(ac.signal, "abort").length, 0);
+    let started = false;
+    await assert.rejects(
+      lowest.abortableWait(() => (started = true), { signal: AbortSignal.abort(), onAbort: (s) => s.reject(new RdmaError("ABORTED", "early")) }),
+      (e: RdmaError) => e.code === "ABORTED" && e.message === "early",
+    );
+    assert.equal(started, false, "a signal already aborted ends the wait before it starts");
+  });
+
+  it("an onAbort that does not settle leaves the wait to its event (an RPC call whose answer already came)", async () => {
+    const ac = new AbortController();
+    let end!: Settle<string>;
+    const p = lowest.abortableWait<string>((s) => (end = s), { signal: ac.signal, onAbort: () => {} });
+    ac.abort();
+    end.resolve("answered");
+    assert.equal(await p, "answered");
   });
 });

@@ -13,6 +13,7 @@
  * connect/accept and drives INIT → RTR → RTS with {@link CmId.initQpAttr}.
  */
 import { RdmaError } from "../../errors.js";
+import { abortableWait, type Settle } from "../wait.js";
 import { nativeError } from "./errors.js";
 import { loadCmAddon, type CmIdHandle, type NativeCmAddon, type NativeCmConnParam } from "./native.js";
 import { CmEventType, type CmConnParam, type CmConnectParams, type CmEvent, type CmId as SeamCmId, type CmInfo, type CmQpAttr, type RdmaCm } from "../types.js";
@@ -92,7 +93,7 @@ export class CmId implements SeamCmId {
   /** Handler for events once the id is in use (e.g. DISCONNECTED); null: events queue for {@link next}. */
   onEvent: ((e: CmEvent) => void) | null = null;
   private readonly queue: CmEvent[] = [];
-  private waiter: { resolve: (e: CmEvent) => void; reject: (e: RdmaError) => void } | null = null;
+  private waiter: Settle<CmEvent> | null = null;
   private destroyed = false;
   private listening = false;
 
@@ -141,35 +142,24 @@ export class CmId implements SeamCmId {
     if (this.destroyed) return Promise.reject(new RdmaError("INVALID_STATE", `${what}: the RDMA CM id is destroyed`));
     if (signal?.aborted) return Promise.reject(new RdmaError("ABORTED", `${what} aborted`));
     if (this.waiter) return Promise.reject(new RdmaError("INVALID_STATE", `${what}: another wait on this RDMA CM id is pending`));
-    return new Promise<CmEvent>((resolve, reject) => {
-      hold(1);
-      let timer: NodeJS.Timeout | null = null;
-      const done = (): void => {
-        hold(-1);
-        if (timer) clearTimeout(timer);
-        signal?.removeEventListener("abort", onAbort);
-        this.waiter = null;
-      };
-      const onAbort = (): void => {
-        done();
-        reject(new RdmaError("ABORTED", `${what} aborted`));
-      };
-      timer = setTimeout(() => {
-        done();
-        reject(new RdmaError("TIMEOUT", `${what} timed out after ${timeoutMs} ms`));
-      }, timeoutMs);
-      signal?.addEventListener("abort", onAbort, { once: true });
-      this.waiter = {
-        resolve: (e) => {
-          done();
-          resolve(e);
+    let held = false;
+    return abortableWait<CmEvent>(
+      (w) => {
+        hold(1);
+        held = true;
+        this.waiter = w;
+      },
+      {
+        signal,
+        timeoutMs,
+        onAbort: (w) => w.reject(new RdmaError("ABORTED", `${what} aborted`)),
+        onTimeout: (w) => w.reject(new RdmaError("TIMEOUT", `${what} timed out after ${timeoutMs} ms`)),
+        cleanup: () => {
+          if (held) hold(-1);
+          this.waiter = null;
         },
-        reject: (e) => {
-          done();
-          reject(e);
-        },
-      };
-    });
+      },
+    );
   }
 
   bind(host: string | null, port: number): void {
