@@ -34,20 +34,20 @@ import { LocalMemory, LocalMr, type RemoteMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { abortError } from "./queue.js";
 import { HDR, MsgType, dataImm, dataLength, decodeMsg, encodeData, encodeMsg, fromWire, newMsg, toWire, type CtrlMessage, type Msg } from "./codec.js";
-import { Credits } from "./credits.js";
-import { Bounce } from "./bounce.js";
-import { Inbox, type Received } from "./inbox.js";
-import { OpTable, newOp, type Op } from "./ops.js";
-import { CTRL_BUF, HeaderPool, SendLanes, type Pending } from "./send-lanes.js";
-import { RecvRing } from "./recv-ring.js";
-import { Rendezvous } from "./rendezvous.js";
-import { OneSided } from "./one-sided.js";
-import { Liveness } from "./liveness.js";
-import { Lifecycle } from "./lifecycle.js";
-import { MemoryProtocol, type CtrlMsg, type MemoryHost, type PeerLimits } from "./memory-protocol.js";
+import type { Credits } from "./credits.js";
+import type { Inbox, Received } from "./inbox.js";
+import { newOp, type Op, type OpTable } from "./ops.js";
+import { CTRL_BUF, type HeaderPool, type Pending, type SendLanes } from "./send-lanes.js";
+import type { RecvRing } from "./recv-ring.js";
+import type { Rendezvous } from "./rendezvous.js";
+import type { OneSided } from "./one-sided.js";
+import type { Liveness } from "./liveness.js";
+import type { Lifecycle } from "./lifecycle.js";
+import type { CtrlMsg, MemoryProtocol, PeerLimits } from "./memory-protocol.js";
+import { makeParts, type PartsHost } from "./parts.js";
 import type { Share } from "./shares.js";
 import type { RemoteAccess } from "../memory/mr.js";
-import { Poller } from "./poller.js";
+import type { Poller } from "./poller.js";
 import { Traffic } from "./stats.js";
 import { statusError } from "./status.js";
 import type { ConnectionOptions, PeerParams } from "./options.js";
@@ -58,7 +58,7 @@ export type { PollingMode };
 export type { ConnectionOptions, PeerParams } from "./options.js";
 
 /** @internal */
-export class Connection implements MemoryHost {
+export class Connection implements PartsHost {
   readonly qp: QueuePair;
   readonly cq: CompletionQueue;
   readonly pool: MrPool;
@@ -81,8 +81,6 @@ export class Connection implements MemoryHost {
   private readonly rndv: Rendezvous;
   /** WRITE, READ and the atomics (one-sided.ts). */
   private readonly oneSided: OneSided;
-  /** Bounce memory for rendezvous messages of mid size (bounce.ts). */
-  private readonly bounce: Bounce;
   readonly memory: MemoryProtocol;
   private readonly live: Liveness;
   /** Messages and bytes each way, rendezvous, credit stalls (stats.ts). */
@@ -98,94 +96,19 @@ export class Connection implements MemoryHost {
     this.pool = pool;
     this.opts = opts;
     this.peer = peer;
-    this.cr = new Credits(peer.recvDepth, opts.recvDepth);
-    this.ops = new OpTable((op, err) => this.dropQueued(op, this.lanes.remove(op), err));
-    this.lanes = new SendLanes(this, this.cr, opts.sendDepth, this.traffic);
-    this.headers = new HeaderPool(pool, opts.sendDepth, () => this.life.closed);
-    this.oneSided = new OneSided({ checkOpen: (what) => this.checkOpen(what), enqueue: (p) => this.lanes.enqueue(p) }, this.ops, pool, this);
-    this.recvs = new RecvRing(
-      {
-        ended: () => this.life.closed || this.life.failure !== null,
-        draining: () => this.poller.draining,
-        reposted: (n) => {
-          this.cr.reposted(n);
-          this.lanes.maybeSendCredits();
-        },
-        fail: (err) => this.fail(err),
-      },
-      this.ops,
-      qp,
-      pool,
-      opts.recvDepth,
-      opts.eagerMax,
-    );
-    this.memory = new MemoryProtocol(this, {
-      quotaBytes: opts.quotaBytes,
-      maxRegions: opts.maxRegions,
-      defaultLeaseMs: opts.defaultLeaseMs,
-      maxLeaseMs: opts.maxLeaseMs,
-      leaseGraceMs: opts.leaseGraceMs,
-      maxRegionSize: Math.min(pool.pd.device.attr.maxMrSize, 2 ** 32 - 1),
-    });
-    this.bounce = new Bounce(pool);
-    this.inbox = new Inbox({ repostRecv: () => this.recvs.repost(), failed: () => this.life.failure }, opts.recvDepth);
-    this.rndv = new Rendezvous(
-      {
-        isDown: () => this.down,
-        failed: () => this.life.failure,
-        takeHdr: () => this.headers.take(),
-        enqueue: (p) => this.lanes.enqueue(p),
-        withdraw: (op) => this.lanes.remove(op, true),
-        dropQueued: (op, parts, err) => this.dropQueued(op, parts, err),
-        watchAbort: (signal, fn) => this.ops.aborts.add(signal, fn),
-        sendCtrl: (m) => this.sendCtrl(m),
-        read: (op, dst, addr, rkey) => this.oneSided.transfer(op, WrOpcode.RDMA_READ, dst, addr, rkey, undefined, 0, true),
-        awaitAnswer: () => (this.live.awaitingAnswer = true),
-        protocolError: (reason) => this.protocolError(reason),
-        delivered: (len) => {
-          this.traffic.messagesReceived++;
-          this.traffic.bytesReceived += len;
-          this.traffic.rendezvousReceived++;
-        },
-      },
-      pool,
-      this.bounce,
-      this.inbox,
-      opts.rendezvousTimeoutMs,
-    );
-    this.live = new Liveness(
-      {
-        isDown: () => this.life.failure !== null,
-        outstanding: () => this.lanes.outstanding,
-        ping: () => this.sendCtrl({ type: MsgType.PING, token: 0 }),
-        expire: (err) => this.fail(err),
-      },
-      opts.keepaliveMs,
-      opts.peerTimeoutMs,
-    );
-    this.poller = new Poller(cq, opts.polling, opts.spinUs, (b, i) => this.onCompletion(b, i), () => this.afterDrain());
-    this.life = new Lifecycle({
-      qp,
-      cq,
-      ops: this.ops,
-      lanes: this.lanes,
-      headers: this.headers,
-      recvs: this.recvs,
-      poller: this.poller,
-      inbox: this.inbox,
-      rndv: this.rndv,
-      memory: this.memory,
-      live: this.live,
-      bounce: this.bounce,
-      dropQueued: (op, parts, err) => this.dropQueued(op, parts, err),
-      sendClose: (ordered) => {
-        const op = newOp("msg");
-        const sent = this.ops.track<void>(op, undefined);
-        this.sendCtrl({ type: MsgType.CLOSE }, op, 1, ordered);
-        return sent;
-      },
-      onClosed,
-    });
+    const p = makeParts(this, qp, cq, pool, opts, peer, this.traffic, onClosed);
+    this.ops = p.ops;
+    this.cr = p.cr;
+    this.lanes = p.lanes;
+    this.headers = p.headers;
+    this.recvs = p.recvs;
+    this.poller = p.poller;
+    this.inbox = p.inbox;
+    this.rndv = p.rndv;
+    this.oneSided = p.oneSided;
+    this.memory = p.memory;
+    this.live = p.live;
+    this.life = p.life;
     qp.onEvent = (e: AsyncEvent) => this.life.onQpEvent(e);
   }
 
@@ -404,12 +327,14 @@ export class Connection implements MemoryHost {
 
   // ------------------------------------------------------------ completions
 
-  private afterDrain(): void {
+  /** PartsHost: the completion queue was drained. */
+  afterDrain(): void {
     this.recvs.postBatch();
     this.life.drained();
   }
 
-  private onCompletion(b: CompletionBuffer, i: number): void {
+  /** PartsHost: one work completion. */
+  onCompletion(b: CompletionBuffer, i: number): void {
     const id = b.wrId[i]!;
     const status = b.status[i]!;
     const op = this.ops.take(id);
