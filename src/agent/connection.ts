@@ -4,25 +4,30 @@
  * control protocol (credits, memory requests, grants and leases, lending,
  * rendezvous, close) and turns work completions into promise settlements.
  *
- * What this file owns: wiring the parts together, the public operations
- * (their argument checks), completion and control dispatch, and one
- * lifecycle (fail → drain → teardown, close, abandon). The parts, each owning
- * one invariant behind a narrow host interface (none imports this file):
- * ops.ts (integer wrIds; every operation settles once), send-lanes.ts (what
- * is posted in which order, batching, selective signalling), credits.ts
- * (flow control: the peer never sees a SEND without a receive posted, and
- * credits can always flow back), recv-ring.ts (receive buffers and their
- * recycling), inbox.ts (arrival order, back-pressure, what stays receivable
- * after the end), rendezvous.ts (large messages both ways), bounce.ts,
- * liveness.ts (a dead or stopped peer is noticed within keepalive + peer
- * timeout), memory-protocol.ts (grants, lends, shares, quotas and leases),
- * poller.ts (completion polling).
+ * What this file owns: the public operations (their argument checks), what
+ * a two-sided message becomes (eager DATA, control messages in recycled
+ * headers), completion dispatch (selective signalling: a signalled
+ * completion settles every unsignalled request before it), and the
+ * connection's face to its parts (the hosts they see). The parts, each
+ * owning one invariant behind a narrow host interface (none imports this
+ * file): parts.ts (building them and wiring each to its host), lifecycle.ts
+ * (fail → drain → teardown, close, abandon; QP and CQ destroyed before the
+ * buffers posted to them), arrivals.ts (each receive decoded and handed to
+ * its one owner), ops.ts (integer wrIds; every operation settles once),
+ * send-lanes.ts (what is posted in which order, batching, selective
+ * signalling), credits.ts (flow control: the peer never sees a SEND without
+ * a receive posted, and credits can always flow back), recv-ring.ts (receive
+ * buffers and their recycling), inbox.ts (arrival order, back-pressure, what
+ * stays receivable after the end), rendezvous.ts (large messages both ways),
+ * bounce.ts, one-sided.ts (WRITE, READ, atomics), liveness.ts (a dead or
+ * stopped peer is noticed within keepalive + peer timeout),
+ * memory-protocol.ts (grants, lends, shares, quotas and leases), poller.ts
+ * (completion polling).
  */
 import { RdmaError } from "../errors.js";
 import {
   CompletionBuffer,
   SendFlags,
-  WcOpcode,
   WcStatus,
   WrOpcode,
   type AsyncEvent,
@@ -30,10 +35,10 @@ import {
   type QueuePair,
   type SendWr,
 } from "../transport/types.js";
-import { LocalMemory, LocalMr, type RemoteMr } from "../memory/mr.js";
+import type { LocalMr, RemoteMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { abortError } from "./queue.js";
-import { HDR, MsgType, dataImm, dataLength, decodeMsg, encodeData, encodeMsg, fromWire, newMsg, toWire, type CtrlMessage, type Msg } from "./codec.js";
+import { HDR, MsgType, encodeData, encodeMsg, toWire } from "./codec.js";
 import type { Credits } from "./credits.js";
 import type { Inbox, Received } from "./inbox.js";
 import { newOp, type Op, type OpTable } from "./ops.js";
@@ -43,6 +48,7 @@ import type { Rendezvous } from "./rendezvous.js";
 import type { OneSided } from "./one-sided.js";
 import type { Liveness } from "./liveness.js";
 import type { Lifecycle } from "./lifecycle.js";
+import type { Arrivals } from "./arrivals.js";
 import type { CtrlMsg, MemoryProtocol, PeerLimits } from "./memory-protocol.js";
 import { makeParts, type PartsHost } from "./parts.js";
 import type { Share } from "./shares.js";
@@ -88,7 +94,8 @@ export class Connection implements PartsHost {
 
   /** Failure, close, teardown and abandon (lifecycle.ts). */
   private readonly life: Lifecycle;
-  private readonly msg: Msg = newMsg();
+  /** What arrives, handed to the part that owns it (arrivals.ts). */
+  private readonly arrivals: Arrivals;
 
   constructor(qp: QueuePair, cq: CompletionQueue, pool: MrPool, opts: ConnectionOptions, peer: PeerParams, onClosed: () => void) {
     this.qp = qp;
@@ -109,6 +116,7 @@ export class Connection implements PartsHost {
     this.memory = p.memory;
     this.live = p.live;
     this.life = p.life;
+    this.arrivals = p.arrivals;
     qp.onEvent = (e: AsyncEvent) => this.life.onQpEvent(e);
   }
 
@@ -348,8 +356,7 @@ export class Connection implements PartsHost {
         else this.fail(this.life.failure ?? new RdmaError("CONNECTION_CLOSED", "the connection was closed by the peer"));
         return;
       }
-      this.cr.consumed();
-      this.onReceive(mem, b.opcode[i]!, b.byteLen[i]!, b.imm[i]!);
+      this.arrivals.onReceive(mem, b.opcode[i]!, b.byteLen[i]!, b.imm[i]!);
       return;
     }
     // Selective signaling: the send queue completes in order, so a completion for this WR
@@ -400,86 +407,6 @@ export class Connection implements PartsHost {
     const err = statusError(status, what);
     this.fail(err);
     return err;
-  }
-
-  private onReceive(mem: LocalMemory, opcode: number, byteLen: number, imm: number): void {
-    this.live.arrived();
-    this.poller.touch();
-    if (this.life.peerClosed) {
-      mem.release();
-      return;
-    }
-    if (opcode === WcOpcode.RECV_RDMA_WITH_IMM) {
-      this.recvs.put(mem);
-      // An unread immediate holds a credit like an unread message.
-      this.inbox.pushImm(imm);
-      return;
-    }
-    const a = mem.alloc;
-    const m = this.msg;
-    const err = decodeMsg(new Uint8Array(a.buffer, a.bufOffset, a.length), byteLen, m);
-    if (err !== null) {
-      mem.release();
-      this.protocolError(err);
-      return;
-    }
-    const breach = this.cr.returned(m.credits);
-    if (breach !== null) {
-      mem.release();
-      this.protocolError(breach);
-      return;
-    }
-    if (m.credits > 0 && this.lanes.waiting) this.lanes.flush();
-    switch (m.type) {
-      case MsgType.DATA: {
-        const len = dataLength(m);
-        if (byteLen - HDR !== len) {
-          mem.release();
-          return this.protocolError(`DATA message claims ${len} bytes but carries ${byteLen - HDR}`);
-        }
-        const lmr = new LocalMr(mem, HDR, len);
-        this.traffic.messagesReceived++;
-        this.traffic.bytesReceived += len;
-        // The buffer now belongs to the user; a new one is posted unless too much is held unread.
-        this.inbox.pushMessage(lmr, dataImm(m));
-        return;
-      }
-      case MsgType.RNDV: {
-        this.recvs.put(mem);
-        const r = fromWire(m);
-        if (r.type !== MsgType.RNDV) return;
-        if (r.length > this.opts.maxMessageSize) {
-          return this.protocolError(`rendezvous message of ${r.length} bytes exceeds this side's maxMessageSize (${this.opts.maxMessageSize})`);
-        }
-        if (r.length === 0) return this.protocolError("rendezvous message of 0 bytes");
-        return this.rndv.onAnnounce(r);
-      }
-      default:
-        this.recvs.put(mem);
-        if (m.type === MsgType.CREDIT) this.cr.echoed();
-        this.recvs.repost();
-        return this.onControl(fromWire(m));
-    }
-  }
-
-  private onControl(m: CtrlMessage): void {
-    switch (m.type) {
-      case MsgType.CREDIT:
-        return;
-      case MsgType.PING:
-        return this.sendCtrl({ type: MsgType.PONG, token: m.token });
-      case MsgType.PONG:
-        return;
-      case MsgType.RNDV_DONE:
-        return this.rndv.onDone(m.token, m.status);
-      case MsgType.RNDV_CANCEL:
-        return this.rndv.onCancel(m.token);
-      case MsgType.CLOSE:
-        return this.life.onPeerClose();
-      default:
-        if (this.memory.onMessage(m, this)) return;
-        return this.protocolError(`unexpected control message ${m.type}`);
-    }
   }
 
   // ------------------------------------------------------------- lifecycle (lifecycle.ts)

@@ -23,6 +23,7 @@ import { Rendezvous } from "./rendezvous.js";
 import { OneSided } from "./one-sided.js";
 import { Liveness } from "./liveness.js";
 import { Lifecycle } from "./lifecycle.js";
+import { Arrivals } from "./arrivals.js";
 import { MemoryProtocol, type CtrlMsg, type MemoryHost } from "./memory-protocol.js";
 import { Poller } from "./poller.js";
 import type { Traffic } from "./stats.js";
@@ -53,6 +54,7 @@ export interface Parts {
   memory: MemoryProtocol;
   live: Liveness;
   life: Lifecycle;
+  arrivals: Arrivals;
 }
 
 /** Builds a connection's parts over its QP and CQ and wires each to its host. */
@@ -145,5 +147,6 @@ export function makeParts(host: PartsHost, qp: QueuePair, cq: CompletionQueue, p
     },
     onClosed,
   });
-  return { ops, cr, lanes, headers, recvs, poller, inbox, rndv, oneSided, bounce, memory, live, life };
+  const arrivals = new Arrivals({ cr, recvs, inbox, rndv, memory, lanes, live, poller, life, traffic, owner: host, opts, sendCtrl: (m) => host.sendCtrl(m) });
+  return { ops, cr, lanes, headers, recvs, poller, inbox, rndv, oneSided, bounce, memory, live, life, arrivals };
 }
