@@ -4,26 +4,30 @@
  * control protocol (credits, memory requests, grants and leases, lending,
  * rendezvous, close) and turns work completions into promise settlements.
  *
- * What this file owns: wiring the parts together, the public operations
- * (their argument checks), completion and control dispatch, and one
- * lifecycle (fail → drain → teardown, close, abandon). The parts, each owning
- * one invariant behind a narrow host interface (none imports this file):
- * ops.ts (integer wrIds; every operation settles once), send-lanes.ts (what
- * is posted in which order, batching, selective signalling), credits.ts
- * (flow control: the peer never sees a SEND without a receive posted, and
- * credits can always flow back), recv-ring.ts (receive buffers and their
- * recycling), inbox.ts (arrival order, back-pressure, what stays receivable
- * after the end), rendezvous.ts (large messages both ways), bounce.ts,
- * liveness.ts (a dead or stopped peer is noticed within keepalive + peer
- * timeout), memory-protocol.ts (grants, lends, shares, quotas and leases),
- * poller.ts (completion polling).
+ * What this file owns: the public operations (their argument checks), what
+ * a two-sided message becomes (eager DATA, control messages in recycled
+ * headers), completion dispatch (selective signalling: a signalled
+ * completion settles every unsignalled request before it), and the
+ * connection's face to its parts (the hosts they see). The parts, each
+ * owning one invariant behind a narrow host interface (none imports this
+ * file): parts.ts (building them and wiring each to its host), lifecycle.ts
+ * (fail → drain → teardown, close, abandon; QP and CQ destroyed before the
+ * buffers posted to them), arrivals.ts (each receive decoded and handed to
+ * its one owner), ops.ts (integer wrIds; every operation settles once),
+ * send-lanes.ts (what is posted in which order, batching, selective
+ * signalling), credits.ts (flow control: the peer never sees a SEND without
+ * a receive posted, and credits can always flow back), recv-ring.ts (receive
+ * buffers and their recycling), inbox.ts (arrival order, back-pressure, what
+ * stays receivable after the end), rendezvous.ts (large messages both ways),
+ * bounce.ts, one-sided.ts (WRITE, READ, atomics), liveness.ts (a dead or
+ * stopped peer is noticed within keepalive + peer timeout),
+ * memory-protocol.ts (grants, lends, shares, quotas and leases), poller.ts
+ * (completion polling).
  */
 import { RdmaError } from "../errors.js";
 import {
   CompletionBuffer,
-  QpState,
   SendFlags,
-  WcOpcode,
   WcStatus,
   WrOpcode,
   type AsyncEvent,
@@ -31,23 +35,25 @@ import {
   type QueuePair,
   type SendWr,
 } from "../transport/types.js";
-import { LocalMemory, LocalMr, type RemoteMr } from "../memory/mr.js";
+import type { LocalMr, RemoteMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { abortError } from "./queue.js";
-import { HDR, MsgType, dataImm, dataLength, decodeMsg, encodeData, encodeMsg, fromWire, newMsg, toWire, type CtrlMessage, type Msg } from "./codec.js";
-import { Credits } from "./credits.js";
-import { Bounce } from "./bounce.js";
-import { Inbox, type Received } from "./inbox.js";
-import { OpTable, newOp, type Op } from "./ops.js";
-import { CTRL_BUF, HeaderPool, SendLanes, type Pending } from "./send-lanes.js";
-import { RecvRing } from "./recv-ring.js";
-import { Rendezvous } from "./rendezvous.js";
-import { OneSided } from "./one-sided.js";
-import { Liveness } from "./liveness.js";
-import { MemoryProtocol, type CtrlMsg, type MemoryHost, type PeerLimits } from "./memory-protocol.js";
+import { HDR, MsgType, encodeData, encodeMsg, toWire } from "./codec.js";
+import type { Credits } from "./credits.js";
+import type { Inbox, Received } from "./inbox.js";
+import { newOp, type Op, type OpTable } from "./ops.js";
+import { CTRL_BUF, type HeaderPool, type Pending, type SendLanes } from "./send-lanes.js";
+import type { RecvRing } from "./recv-ring.js";
+import type { Rendezvous } from "./rendezvous.js";
+import type { OneSided } from "./one-sided.js";
+import type { Liveness } from "./liveness.js";
+import type { Lifecycle } from "./lifecycle.js";
+import type { Arrivals } from "./arrivals.js";
+import type { CtrlMsg, MemoryProtocol, PeerLimits } from "./memory-protocol.js";
+import { makeParts, type PartsHost } from "./parts.js";
 import type { Share } from "./shares.js";
 import type { RemoteAccess } from "../memory/mr.js";
-import { Poller } from "./poller.js";
+import type { Poller } from "./poller.js";
 import { Traffic } from "./stats.js";
 import { statusError } from "./status.js";
 import type { ConnectionOptions, PeerParams } from "./options.js";
@@ -58,7 +64,7 @@ export type { PollingMode };
 export type { ConnectionOptions, PeerParams } from "./options.js";
 
 /** @internal */
-export class Connection implements MemoryHost {
+export class Connection implements PartsHost {
   readonly qp: QueuePair;
   readonly cq: CompletionQueue;
   readonly pool: MrPool;
@@ -81,18 +87,15 @@ export class Connection implements MemoryHost {
   private readonly rndv: Rendezvous;
   /** WRITE, READ and the atomics (one-sided.ts). */
   private readonly oneSided: OneSided;
-  /** Bounce memory for rendezvous messages of mid size (bounce.ts). */
-  private readonly bounce: Bounce;
   readonly memory: MemoryProtocol;
   private readonly live: Liveness;
   /** Messages and bytes each way, rendezvous, credit stalls (stats.ts). */
   readonly traffic = new Traffic();
 
-  failure: RdmaError | null = null;
-  closing = false;
-  private closed = false;
-  private readonly onClosed: () => void;
-  private readonly msg: Msg = newMsg();
+  /** Failure, close, teardown and abandon (lifecycle.ts). */
+  private readonly life: Lifecycle;
+  /** What arrives, handed to the part that owns it (arrivals.ts). */
+  private readonly arrivals: Arrivals;
 
   constructor(qp: QueuePair, cq: CompletionQueue, pool: MrPool, opts: ConnectionOptions, peer: PeerParams, onClosed: () => void) {
     this.qp = qp;
@@ -100,74 +103,21 @@ export class Connection implements MemoryHost {
     this.pool = pool;
     this.opts = opts;
     this.peer = peer;
-    this.cr = new Credits(peer.recvDepth, opts.recvDepth);
-    this.onClosed = onClosed;
-    this.ops = new OpTable((op, err) => this.dropQueued(op, this.lanes.remove(op), err));
-    this.lanes = new SendLanes(this, this.cr, opts.sendDepth, this.traffic);
-    this.headers = new HeaderPool(pool, opts.sendDepth, () => this.closed);
-    this.oneSided = new OneSided({ checkOpen: (what) => this.checkOpen(what), enqueue: (p) => this.lanes.enqueue(p) }, this.ops, pool, this);
-    this.recvs = new RecvRing(
-      {
-        ended: () => this.closed || this.failure !== null,
-        draining: () => this.poller.draining,
-        reposted: (n) => {
-          this.cr.reposted(n);
-          this.lanes.maybeSendCredits();
-        },
-        fail: (err) => this.fail(err),
-      },
-      this.ops,
-      qp,
-      pool,
-      opts.recvDepth,
-      opts.eagerMax,
-    );
-    this.memory = new MemoryProtocol(this, {
-      quotaBytes: opts.quotaBytes,
-      maxRegions: opts.maxRegions,
-      defaultLeaseMs: opts.defaultLeaseMs,
-      maxLeaseMs: opts.maxLeaseMs,
-      leaseGraceMs: opts.leaseGraceMs,
-      maxRegionSize: Math.min(pool.pd.device.attr.maxMrSize, 2 ** 32 - 1),
-    });
-    this.bounce = new Bounce(pool);
-    this.inbox = new Inbox({ repostRecv: () => this.recvs.repost(), failed: () => this.failure }, opts.recvDepth);
-    this.rndv = new Rendezvous(
-      {
-        isDown: () => this.down,
-        failed: () => this.failure,
-        takeHdr: () => this.headers.take(),
-        enqueue: (p) => this.lanes.enqueue(p),
-        withdraw: (op) => this.lanes.remove(op, true),
-        dropQueued: (op, parts, err) => this.dropQueued(op, parts, err),
-        watchAbort: (signal, fn) => this.ops.aborts.add(signal, fn),
-        sendCtrl: (m) => this.sendCtrl(m),
-        read: (op, dst, addr, rkey) => this.oneSided.transfer(op, WrOpcode.RDMA_READ, dst, addr, rkey, undefined, 0, true),
-        awaitAnswer: () => (this.live.awaitingAnswer = true),
-        protocolError: (reason) => this.protocolError(reason),
-        delivered: (len) => {
-          this.traffic.messagesReceived++;
-          this.traffic.bytesReceived += len;
-          this.traffic.rendezvousReceived++;
-        },
-      },
-      pool,
-      this.bounce,
-      this.inbox,
-      opts.rendezvousTimeoutMs,
-    );
-    this.live = new Liveness(
-      {
-        isDown: () => this.failure !== null,
-        outstanding: () => this.lanes.outstanding,
-        ping: () => this.sendCtrl({ type: MsgType.PING, token: 0 }),
-        expire: (err) => this.fail(err),
-      },
-      opts.keepaliveMs,
-      opts.peerTimeoutMs,
-    );
-    qp.onEvent = (e: AsyncEvent) => this.onQpEvent(e);
-    this.poller = new Poller(cq, opts.polling, opts.spinUs, (b, i) => this.onCompletion(b, i), () => this.afterDrain());
+    const p = makeParts(this, qp, cq, pool, opts, peer, this.traffic, onClosed);
+    this.ops = p.ops;
+    this.cr = p.cr;
+    this.lanes = p.lanes;
+    this.headers = p.headers;
+    this.recvs = p.recvs;
+    this.poller = p.poller;
+    this.inbox = p.inbox;
+    this.rndv = p.rndv;
+    this.oneSided = p.oneSided;
+    this.memory = p.memory;
+    this.live = p.live;
+    this.life = p.life;
+    this.arrivals = p.arrivals;
+    qp.onEvent = (e: AsyncEvent) => this.life.onQpEvent(e);
   }
 
   /** MemoryHost: a shared region of this side by name key. */
@@ -192,7 +142,7 @@ export class Connection implements MemoryHost {
 
   /** MemoryHost: the connection failed or is closing. */
   get down(): boolean {
-    return this.failure !== null || this.closing;
+    return this.life.down;
   }
 
   /** Sets the peer's parameters once the handshake told us them (before any send). */
@@ -217,9 +167,9 @@ export class Connection implements MemoryHost {
 
   // ---------------------------------------------------------------- posting
 
+  /** Throws when the connection is closing or failed (lifecycle.ts). */
   checkOpen(what: string): void {
-    if (this.failure) throw new RdmaError(this.failure.code === "CONNECTION_CLOSED" ? "CONNECTION_CLOSED" : this.failure.code, `${what}: ${this.failure.message}`, { cause: this.failure });
-    if (this.closing) throw new RdmaError("CONNECTION_CLOSED", `${what}: the connection is closing`);
+    this.life.checkOpen(what);
   }
 
   /** Encodes a control message into a recycled small buffer and queues its SEND. */
@@ -390,16 +340,14 @@ export class Connection implements MemoryHost {
 
   // ------------------------------------------------------------ completions
 
-  private pollNow(): void {
-    this.poller.pollNow();
-  }
-
-  private afterDrain(): void {
+  /** PartsHost: the completion queue was drained. */
+  afterDrain(): void {
     this.recvs.postBatch();
-    if (this.failure && !this.closed && this.lanes.outstanding === 0 && this.recvs.size === 0) this.teardown();
+    this.life.drained();
   }
 
-  private onCompletion(b: CompletionBuffer, i: number): void {
+  /** PartsHost: one work completion. */
+  onCompletion(b: CompletionBuffer, i: number): void {
     const id = b.wrId[i]!;
     const status = b.status[i]!;
     const op = this.ops.take(id);
@@ -410,11 +358,10 @@ export class Connection implements MemoryHost {
       if (status !== WcStatus.SUCCESS) {
         mem.release();
         if (status !== WcStatus.WR_FLUSH_ERR) this.failFromStatus(status, "receive");
-        else this.fail(this.failure ?? new RdmaError("CONNECTION_CLOSED", "the connection was closed by the peer"));
+        else this.fail(this.life.failure ?? new RdmaError("CONNECTION_CLOSED", "the connection was closed by the peer"));
         return;
       }
-      this.cr.consumed();
-      this.onReceive(mem, b.opcode[i]!, b.byteLen[i]!, b.imm[i]!);
+      this.arrivals.onReceive(mem, b.opcode[i]!, b.byteLen[i]!, b.imm[i]!);
       return;
     }
     // Selective signaling: the send queue completes in order, so a completion for this WR
@@ -459,299 +406,53 @@ export class Connection implements MemoryHost {
   }
 
   private failFromStatus(status: number, what: string): RdmaError {
-    if (status === WcStatus.WR_FLUSH_ERR && this.failure) {
-      return new RdmaError(this.failure.code === "CONNECTION_CLOSED" ? "CONNECTION_CLOSED" : "FLUSHED", `${what} flushed: ${this.failure.message}`, { wcStatus: "WR_FLUSH_ERR", cause: this.failure });
+    if (status === WcStatus.WR_FLUSH_ERR && this.life.failure) {
+      return new RdmaError(this.life.failure.code === "CONNECTION_CLOSED" ? "CONNECTION_CLOSED" : "FLUSHED", `${what} flushed: ${this.life.failure.message}`, { wcStatus: "WR_FLUSH_ERR", cause: this.life.failure });
     }
     const err = statusError(status, what);
     this.fail(err);
     return err;
   }
 
-  private onReceive(mem: LocalMemory, opcode: number, byteLen: number, imm: number): void {
-    this.live.arrived();
-    this.poller.touch();
-    if (this.peerClosed) {
-      mem.release();
-      return;
-    }
-    if (opcode === WcOpcode.RECV_RDMA_WITH_IMM) {
-      this.recvs.put(mem);
-      // An unread immediate holds a credit like an unread message.
-      this.inbox.pushImm(imm);
-      return;
-    }
-    const a = mem.alloc;
-    const m = this.msg;
-    const err = decodeMsg(new Uint8Array(a.buffer, a.bufOffset, a.length), byteLen, m);
-    if (err !== null) {
-      mem.release();
-      this.protocolError(err);
-      return;
-    }
-    const breach = this.cr.returned(m.credits);
-    if (breach !== null) {
-      mem.release();
-      this.protocolError(breach);
-      return;
-    }
-    if (m.credits > 0 && this.lanes.waiting) this.lanes.flush();
-    switch (m.type) {
-      case MsgType.DATA: {
-        const len = dataLength(m);
-        if (byteLen - HDR !== len) {
-          mem.release();
-          return this.protocolError(`DATA message claims ${len} bytes but carries ${byteLen - HDR}`);
-        }
-        const lmr = new LocalMr(mem, HDR, len);
-        this.traffic.messagesReceived++;
-        this.traffic.bytesReceived += len;
-        // The buffer now belongs to the user; a new one is posted unless too much is held unread.
-        this.inbox.pushMessage(lmr, dataImm(m));
-        return;
-      }
-      case MsgType.RNDV: {
-        this.recvs.put(mem);
-        const r = fromWire(m);
-        if (r.type !== MsgType.RNDV) return;
-        if (r.length > this.opts.maxMessageSize) {
-          return this.protocolError(`rendezvous message of ${r.length} bytes exceeds this side's maxMessageSize (${this.opts.maxMessageSize})`);
-        }
-        if (r.length === 0) return this.protocolError("rendezvous message of 0 bytes");
-        return this.rndv.onAnnounce(r);
-      }
-      default:
-        this.recvs.put(mem);
-        if (m.type === MsgType.CREDIT) this.cr.echoed();
-        this.recvs.repost();
-        return this.onControl(fromWire(m));
-    }
+  // ------------------------------------------------------------- lifecycle (lifecycle.ts)
+
+  /** Why the connection ended, or null while it is up. */
+  get failure(): RdmaError | null {
+    return this.life.failure;
   }
 
-  private onControl(m: CtrlMessage): void {
-    switch (m.type) {
-      case MsgType.CREDIT:
-        return;
-      case MsgType.PING:
-        return this.sendCtrl({ type: MsgType.PONG, token: m.token });
-      case MsgType.PONG:
-        return;
-      case MsgType.RNDV_DONE:
-        return this.rndv.onDone(m.token, m.status);
-      case MsgType.RNDV_CANCEL:
-        return this.rndv.onCancel(m.token);
-      case MsgType.CLOSE:
-        return this.onPeerClose();
-      default:
-        if (this.memory.onMessage(m, this)) return;
-        return this.protocolError(`unexpected control message ${m.type}`);
-    }
+  /** This side's close began: new operations are refused. */
+  get closing(): boolean {
+    return this.life.closing;
   }
 
-  // ------------------------------------------------------------- lifecycle
-
-  private onQpEvent(e: AsyncEvent): void {
-    this.fail(new RdmaError("CONNECTION_CLOSED", `connection failed: ${e.reason}`));
-  }
-
-  protocolError(reason: string): void {
-    const err = new RdmaError("PROTOCOL", `malformed control message from the peer: ${reason}; connection closed`);
-    this.fail(err);
-  }
-
-  /** The peer sent CLOSE: it sends nothing after it, and anything that comes anyway is not delivered. */
-  private peerClosed = false;
   /** The connection ended by a close of either side (CLOSE sent or received before any failure), not by a failure. */
-  endedCleanly = false;
-
-  private onPeerClose(): void {
-    this.peerClosed = true;
-    if (!this.failure) this.endedCleanly = true;
-    this.fail(new RdmaError("CONNECTION_CLOSED", "the peer closed the connection"));
-  }
-
-  /** Fails the connection: every pending operation and wait rejects with the cause. */
-  fail(err: RdmaError): void {
-    if (this.failure) return;
-    this.failure = err;
-    this.memory.fail(err);
-    this.rndv.fail(err);
-    // Messages that arrived whole before the end stay receivable (as a TCP
-    // socket keeps the data before the FIN), unless this side closed.
-    this.inbox.fail(err, this.closing);
-    // Work that never reached the send queue: freed now, its operations rejected (once each).
-    const queued = this.lanes.takeAll();
-    const ops = new Map<Op, Pending[]>();
-    for (const p of queued) {
-      const l = ops.get(p.op);
-      if (l) l.push(p);
-      else ops.set(p.op, [p]);
-    }
-    for (const [op, parts] of ops) {
-      if (op.posted) {
-        // Some parts were posted: they settle the op with their (flushed) completions.
-        for (const p of parts) if (p.hdr) this.headers.put(p.hdr);
-        op.parts -= parts.length;
-        if (op.parts <= 0) this.dropQueued(op, [], err);
-      } else this.dropQueued(op, parts, err);
-    }
-    if (this.qp.state !== QpState.ERR) {
-      try {
-        this.qp.setError();
-      } catch {
-        /* already gone */
-      }
-    }
-    // Flushed completions settle the posted operations; then tear down.
-    this.pollNow();
-    this.teardownWhenDrained();
-  }
-
-  private drainDeadline: NodeJS.Timeout | null = null;
-
-  /** Tears down once the flush completions have settled every posted WR (deadline 2 s). */
-  private teardownWhenDrained(): void {
-    if (this.closed) return;
-    if (this.lanes.outstanding === 0 && this.recvs.size === 0) return this.teardown();
-    this.poller.armForFlush();
-    if (this.drainDeadline === null) {
-      this.drainDeadline = setTimeout(() => this.teardown(), 2000);
-      this.drainDeadline.unref();
-    }
-  }
-
-  private teardown(): void {
-    if (this.closed) return;
-    this.closed = true;
-    this.poller.stop();
-    this.destroyQueues();
-    this.releaseAll();
-    this.onClosed();
-    for (const r of this.closedWaiters.splice(0)) r();
-  }
-
-  /**
-   * Frees everything this connection holds, whatever the peer sent: grants
-   * and lends (revoked first), regions handed back and never picked up,
-   * messages received and never read, receive and control buffers, and any
-   * operation whose completion never came.
-   */
-  private releaseAll(): void {
-    this.live.stop();
-    if (this.drainDeadline) clearTimeout(this.drainDeadline);
-    this.memory.teardown();
-    this.rndv.teardown();
-    // Any op still pending (a completion that never came) is settled now.
-    for (const op of this.ops.drain()) {
-      if (op.kind === "recv") continue;
-      op.hdr?.release();
-      op.hdr = null;
-      op.result?.release();
-      op.result = null;
-      const { reject, then } = this.ops.end(op);
-      then?.(false);
-      reject?.(this.failure);
-    }
-    this.recvs.release();
-    this.headers.release();
-    this.bounce.release();
-    // Messages not read yet stay receivable (unless this side closed): the pool moves them out
-    // of registered memory when it closes, keeping their peer-memory charge until read or dropped.
-    this.inbox.teardown();
-  }
-
-  /**
-   * A connection whose setup failed before start(): destroys its QP and CQ,
-   * frees its receive and control buffers and marks it closed.
-   */
-  abandon(reason: RdmaError): void {
-    if (this.closed) return;
-    if (!this.failure) this.failure = reason;
-    this.inbox.abandon();
-    this.closed = true;
-    this.memory.fail(reason);
-    this.poller.stop();
-    this.destroyQueues();
-    this.releaseAll();
-  }
-
-  /**
-   * The agent owns its QP and CQ and destroys them, once, before freeing the
-   * buffers posted to them: the device stops using them first.
-   */
-  private destroyQueues(): void {
-    this.qp.onEvent = null;
-    try {
-      this.qp.destroy();
-    } catch {
-      /* already destroyed */
-    }
-    try {
-      this.cq.destroy();
-    } catch {
-      /* already destroyed */
-    }
-  }
-
-  private readonly closedWaiters: (() => void)[] = [];
-
-  /**
-   * Graceful close: tells the peer (its pending receives reject with
-   * CONNECTION_CLOSED), waits for that message to leave, then tears down.
-   * `flush`: the peer receives everything sent before. Resolves null when
-   * the close did what was asked, else with the error that says why not
-   * (TIMEOUT: `timeoutMs` ran out and the rest was dropped; or what ended
-   * the connection meanwhile); that error is also `closeFailure`, and the
-   * connection did not end cleanly.
-   */
-  async close(timeoutMs: number, flush = false): Promise<RdmaError | null> {
-    // Closing this side drops what the peer sent and nobody read.
-    if (this.failure) this.inbox.dropUnread(this.closed);
-    if (this.closing || this.failure) {
-      if (this.failure && !this.closed) await this.waitClosed(timeoutMs);
-      // Already ended: what did not reach the peer was reported on its own operation.
-      return null;
-    }
-    // While a flush waits the connection stays live: liveness runs, rendezvous cancels reach
-    // the peer; only new operations are refused (checkOpen).
-    this.closing = true;
-    let timer: NodeJS.Timeout | null = null;
-    const expired = new Promise<false>((r) => (timer = setTimeout(() => r(false), timeoutMs)));
-    // Flushing (lifecycle.ts): every rendezvous send is taken by the peer first, and the CLOSE
-    // goes in the data lane behind every queued send and write, so its completion means the
-    // peer has received all of them.
-    let flushed = !flush || this.rndv.outstanding === 0 || (await Promise.race([this.rndv.settled(), expired]));
-    if (this.failure === null) {
-      const op = newOp("msg");
-      const sent = this.ops.track<void>(op, undefined);
-      this.sendCtrl({ type: MsgType.CLOSE }, op, 1, flush);
-      flushed = (await Promise.race([sent.then(() => true, () => false), expired])) && flushed;
-    } else flushed = false;
-    if (timer) clearTimeout(timer);
-    if (flush && !flushed) {
-      // What ended a flush that did not finish: a failure (or the peer's close) meanwhile, else the timeout.
-      const cause = this.failure as RdmaError | null; // set meanwhile, across the awaits
-      this.closeFailure = cause
-        ? new RdmaError(cause.code, `close: the connection ended before the peer took everything sent: ${cause.message}`, { cause })
-        : new RdmaError("TIMEOUT", `close: the peer did not take everything sent within ${timeoutMs} ms (timeoutMs); the connection is closed and the rest was dropped`);
-      this.endedCleanly = false; // even if the peer's CLOSE came meanwhile: something sent was lost
-    } else if (!this.failure) this.endedCleanly = true;
-    this.fail(new RdmaError("CONNECTION_CLOSED", "the connection was closed by this side"));
-    await this.waitClosed(timeoutMs);
-    return this.closeFailure;
+  get endedCleanly(): boolean {
+    return this.life.endedCleanly;
   }
 
   /** Why this side's flushing close did not flush (the connection did not end cleanly); null otherwise. */
-  closeFailure: RdmaError | null = null;
+  get closeFailure(): RdmaError | null {
+    return this.life.closeFailure;
+  }
 
-  private waitClosed(timeoutMs: number): Promise<void> {
-    if (this.closed) return Promise.resolve();
-    return new Promise<void>((resolve) => {
-      const t = setTimeout(() => this.teardown(), timeoutMs);
-      this.closedWaiters.push(() => {
-        clearTimeout(t);
-        resolve();
-      });
-    });
+  protocolError(reason: string): void {
+    this.life.protocolError(reason);
+  }
+
+  /** Fails the connection: every pending operation and wait rejects with the cause (idempotent). */
+  fail(err: RdmaError): void {
+    this.life.fail(err);
+  }
+
+  /** A connection whose setup failed before start(): destroys its QP and CQ and frees what it posted. */
+  abandon(reason: RdmaError): void {
+    this.life.abandon(reason);
+  }
+
+  /** Graceful close (`flush`: the peer receives everything sent before); resolves null, or why it did not do what was asked. */
+  close(timeoutMs: number, flush = false): Promise<RdmaError | null> {
+    return this.life.close(timeoutMs, flush);
   }
 
   /** Whether the connection keeps the process alive (Rdma.ref/unref; poller.ts). */
@@ -760,7 +461,7 @@ export class Connection implements MemoryHost {
   }
 
   get isClosed(): boolean {
-    return this.closed;
+    return this.life.closed;
   }
 
   /** Work requests posted and not completed, plus those queued to be posted (stats). */

@@ -14,6 +14,7 @@
  * is noticed at most one check after keepalive + peer timeout.
  */
 import { RdmaError } from "../errors.js";
+import { excuseOwnStall } from "../transport/stall.js";
 
 /** What liveness needs from its connection. */
 export interface LivenessHost {
@@ -85,13 +86,10 @@ export class Liveness {
     if (this.host.isDown()) return;
     const now = this.now();
     // A check that comes late means this process's event loop was blocked: completions may be
-    // waiting unread in the sockets or the CQ. That time is ours, not the peer's.
-    const late = now - this.lastCheck - this.every;
+    // waiting unread in the sockets or the CQ. That time is ours, not the peer's (transport/stall.ts).
+    this.lastProgress = excuseOwnStall(this.lastProgress, now, this.lastCheck, this.every, this.every);
+    this.lastArrival = excuseOwnStall(this.lastArrival, now, this.lastCheck, this.every, this.every);
     this.lastCheck = now;
-    if (late > this.every) {
-      this.lastProgress = Math.min(now, this.lastProgress + late);
-      this.lastArrival = Math.min(now, this.lastArrival + late);
-    }
     const t = this.peerTimeoutMs;
     const outstanding = this.host.outstanding();
     const waiting = outstanding > 0 || this.awaitingAnswer;

@@ -393,7 +393,7 @@ describe(`API data operations [${PROVIDER}]`, () => {
       await eventually(() => server.stats().unread >= 16, 30_000, "the server to hold unread messages");
       const secret = pattern(10_000, 0x5ec);
       m.bytes.set(secret);
-      const bounce = (client.conn as unknown as { bounce: { mem: { alloc: { buffer: ArrayBuffer; bufOffset: number; length: number } } } | null }).bounce;
+      const bounce = (client.conn as unknown as { rndv: { bounce: { mem: { alloc: { buffer: ArrayBuffer; bufOffset: number; length: number } } } | null } }).rndv.bounce;
       assert.ok(bounce, "the bounce memory exists");
       const readable = (): Buffer => Buffer.from(bounce.mem.alloc.buffer, bounce.mem.alloc.bufOffset, bounce.mem.alloc.length);
       const ac = new AbortController();

@@ -291,7 +291,7 @@ describe(`hostile peer, agent level [${PROVIDER}, ${CM}]`, { timeout: 120_000 * 
     withApiPair(
       async ({ client, server }) => {
         // Stop the client's agent from answering (as SIGSTOP would; the device may still ACK).
-        (client.conn as unknown as { onControl: (m: unknown) => void }).onControl = () => {};
+        (client.conn as unknown as { arrivals: { onControl: (m: unknown) => void } }).arrivals.onControl = () => {};
         (client.conn as unknown as { live: { stop: () => void } }).live.stop();
         await assert.rejects(server.receive(), code("RETRY_EXCEEDED"));
       },

@@ -189,7 +189,7 @@ describe(`connection lifecycle [${PROVIDER}, ${CM}]`, { timeout: 10 * DEADLINE }
     try {
       const { client, server } = p;
       // The server's agent stops answering (as SIGSTOP would; the device may still ACK).
-      (server.conn as unknown as { onControl: (m: unknown) => void }).onControl = () => {};
+      (server.conn as unknown as { arrivals: { onControl: (m: unknown) => void } }).arrivals.onControl = () => {};
       (server.conn as unknown as { live: { stop: () => void } }).live.stop();
       const sent = client.send(pattern(100_000, 3));
       sent.catch(() => {});

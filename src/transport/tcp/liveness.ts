@@ -9,6 +9,7 @@
  * ({@link NoProgressTimer.progress}). Why it differs from verbs:
  * docs/architecture.md, "Liveness".
  */
+import { excuseOwnStall } from "../stall.js";
 import { ackTimeoutMs } from "./codec.js";
 
 /**
@@ -76,10 +77,9 @@ export class NoProgressTimer {
       this.timer = null;
       this.confirming = null;
       // A tick that comes late means our own event loop did not run (blocked, descheduled): the peer
-      // could not be heard meanwhile, so that time does not count against it.
+      // could not be heard meanwhile, so that time does not count against it (transport/stall.ts).
       const now = performance.now();
-      const late = now - prev - tick;
-      if (late > stallCredit) this.lastProgress = Math.min(now, this.lastProgress + late);
+      this.lastProgress = excuseOwnStall(this.lastProgress, now, prev, tick, stallCredit);
       prev = now;
       if (!this.host.outstanding()) return;
       if (!this.host.waitingOutRnr() && performance.now() - this.lastProgress >= limit) {
