@@ -9,7 +9,7 @@
  *   (a DATA message) comes back when the user disposes of it, its views
  *   detached first (pool.renew), so the user's old view never aliases a
  *   re-posted buffer (memory whose bytes no view was handed out for — the
- *   RPC layer reads them with peekBytes and copies what it keeps — has
+ *   RPC layer reads them with mr.ts's peekBytes and copies what it keeps — has
  *   nothing to detach and is re-posted as it is); at most the receive depth are kept spare, and none
  *   once the connection ended;
  * - receives re-posted while the completion queue drains are posted as one

@@ -164,17 +164,6 @@ export class LocalMr {
     return new Uint8Array(a.buffer, a.bufOffset + this.start, this.length);
   }
 
-  /**
-   * @internal The bytes, for the library's own readers that copy what they
-   * keep and drop the view before disposing (the RPC layer's frame decoder):
-   * memory read only this way is recycled without detaching its buffer.
-   */
-  peekBytes(): Uint8Array {
-    this.mem.check("bytes");
-    const a = this.mem.alloc;
-    return new Uint8Array(a.buffer, a.bufOffset + this.start, this.length);
-  }
-
   /** A typed view, e.g. `lmr.view(Float64Array)`; the region's offset must be aligned to the element size. */
   view<T>(ctor: TypedArrayCtor<T>): T {
     checkTypedArrayCtor(ctor);
@@ -339,4 +328,17 @@ export class RemoteMr {
   [Symbol.dispose](): void {
     this.lease.release();
   }
+}
+
+/**
+ * @internal The bytes of `lmr`, for the library's own readers that copy what
+ * they keep and drop the view before disposing (the RPC layer's frame
+ * decoder): memory read only this way is recycled without detaching its
+ * buffer. A function of this module, not a method, so no user of the
+ * package can reach it.
+ */
+export function peekBytes(lmr: LocalMr): Uint8Array {
+  lmr.mem.check("bytes");
+  const a = lmr.mem.alloc;
+  return new Uint8Array(a.buffer, a.bufOffset + lmr.start, lmr.length);
 }

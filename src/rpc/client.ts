@@ -6,6 +6,7 @@
  * for the server's maxMessageSize is refused before it is queued.
  */
 import { RdmaError, type Rdma } from "../index.js";
+import { peekBytes } from "../memory/mr.js";
 import { codecOf, type RpcCodec } from "./codec.js";
 import { decodeError, RpcError } from "./error.js";
 import { CALL, CANCEL, decodeFrames, EMPTY, enc, ERROR, HDR, MAX_METHOD, OK, type Frame } from "./frame.js";
@@ -111,7 +112,7 @@ export class RpcClient<M extends RpcMethods = RpcUntyped> {
       }
       let frames: Frame[];
       try {
-        frames = decodeFrames(msg.peekBytes());
+        frames = decodeFrames(peekBytes(msg));
         for (const f of frames) if (f.kind !== OK && f.kind !== ERROR) throw new RdmaError("PROTOCOL", `rpc: a server sent a frame of kind ${f.kind}`);
       } catch (e) {
         this.fail(this.rdma.isClosed && !(e instanceof RdmaError && e.code === "PROTOCOL") ? new RdmaError("CONNECTION_CLOSED", "the connection closed") : e);

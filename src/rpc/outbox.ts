@@ -34,7 +34,7 @@ const MAX_BATCH_BYTES = 4096 + 64;
  * depth, 32 by default), so a steady stream of 4 KiB calls registers nothing.
  * Kept only after a burst needed them: at most 32 × 4,160 bytes.
  */
-const SPARE_BUFFERS = 64;
+const SPARE_BUFFERS = 32;
 
 /** What an Outbox reports to its owner. */
 export interface OutboxHost {
@@ -114,17 +114,22 @@ export class Outbox {
     if (this.failure) return null;
     this.unsentFrames++;
     this.unsentBytes += n;
-    if (this.rdma.isClosed) {
+    const last = this.batches.length > 0 ? this.batches[this.batches.length - 1]! : null;
+    if (this.rdma.isClosed || last?.buf.disposed) {
       // Closed in this same turn: the batch being filled may have lost its memory.
       this.settled(1, n);
       this.failure = new RdmaError("CONNECTION_CLOSED", "rpc: the connection is closed");
       return null;
     }
-    const last = this.batches.length > 0 ? this.batches[this.batches.length - 1]! : null;
     if (last !== null && last.buf.length === this.batchMax && last.len + n <= this.batchMax) return last;
     let buf: LocalMr | undefined;
     try {
       buf = n <= this.batchMax ? this.spare.pop() : undefined;
+      // A spare freed with its connection's memory: the allocation below says why (CONNECTION_CLOSED).
+      if (buf?.disposed) {
+        this.spare.length = 0;
+        buf = undefined;
+      }
       buf ??= this.rdma.allocLocalMr(Math.max(n, this.batchMax));
     } catch (e) {
       this.settled(1, n);
@@ -157,11 +162,19 @@ export class Outbox {
 
   private out(b: Batch): void {
     const { buf: whole, len: o, frames: count } = b;
-    if (this.failure) {
+    let msg: LocalMr;
+    try {
+      if (this.failure) throw this.failure;
+      // The connection may have ended (its memory with it) between the push and this flush.
+      msg = o === whole.length ? whole : whole.slice(0, o);
+    } catch (e) {
       whole[Symbol.dispose]();
-      return this.settled(count, o);
+      this.settled(count, o);
+      // Its receive loop (client) or serve() (server) ends what the frames belonged to.
+      this.failure ??= e instanceof RdmaError ? e : new RdmaError("CONNECTION_CLOSED", "rpc: the connection is closed");
+      return;
     }
-    this.rdma.send(o === whole.length ? whole : whole.slice(0, o)).then(
+    this.rdma.send(msg).then(
       () => {
         if (whole.length === this.batchMax && !this.failure && this.spare.length < SPARE_BUFFERS) this.spare.push(whole);
         else whole[Symbol.dispose]();

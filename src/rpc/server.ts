@@ -7,6 +7,7 @@
  * untaken past `replyTimeoutMs` close it. A cancelled call gets no reply.
  */
 import { RdmaError, type Rdma, type RdmaListener } from "../index.js";
+import { peekBytes } from "../memory/mr.js";
 import { codecOf, type RpcCodec } from "./codec.js";
 import { errorFrame } from "./error.js";
 import { CALL, CANCEL, decodeFrames, EMPTY, enc, HDR, MAX_METHOD, OK, type Frame } from "./frame.js";
@@ -254,7 +255,7 @@ export class RpcServer<M extends RpcMethods = RpcUntyped> {
         }
         let frames: Frame[];
         try {
-          frames = decodeFrames(msg.peekBytes());
+          frames = decodeFrames(peekBytes(msg));
         } catch (e) {
           // the connection closed between the arrival and now (its memory is gone)
           if (rdma.isClosed && !(e instanceof RdmaError && e.code === "PROTOCOL")) return;

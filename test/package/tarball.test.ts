@@ -118,8 +118,9 @@ describe("package tarball", { timeout: 120_000 }, () => {
     );
     assert.deepEqual(stray, [], "files outside the whitelist");
     assert.deepEqual(paths.filter((p) => /\.test\.|^dist\/test\/|\.map$|^src\/|^test\/|^bench\/|^\.ci\/|softroce/.test(p)), []);
-    // The compiled sources (one file per invariant: .js + .d.ts each) and the user docs; a bound, so a stray folder shows.
-    assert.ok(packed.entryCount < 300, `${packed.entryCount} files`);
+    // The compiled sources (one file per invariant: .js + .d.ts each; 304 files once issue 20 split the
+    // agent and the API) and the user docs; a bound, so a stray folder shows.
+    assert.ok(packed.entryCount < 350, `${packed.entryCount} files`);
     // With the user docs and the prebuilt addons: 1.51 MB at the merge of issue 22.
     assert.ok(packed.unpackedSize < 2_000_000, `${packed.unpackedSize} bytes unpacked`);
   });
