@@ -4,10 +4,13 @@
  * arm, not for completions queued before the arm, and asynchronously (never
  * inside the postSend or poll that raised the completion).
  *
- * Provider-specific: "a turn later" is the tcp CQ's setImmediate delivery.
+ * Provider-specific: a completion made by a socket read notifies when that
+ * read is handled, in its callback; one made anywhere else ("a turn later")
+ * from a setImmediate.
  */
 import { after, describe, it } from "node:test";
 import assert from "node:assert/strict";
+import { executionAsyncResource } from "node:async_hooks";
 import { SendFlags, WcStatus, WrOpcode, type Device, type SendWr } from "../../src/transport/types.js";
 import { tcpProvider } from "../../src/transport/tcp/index.js";
 import { ALL_REMOTE, makeSide, sge, waitCompletions, type Side } from "../support/seam.js";
@@ -120,5 +123,28 @@ describe("tcp CQ notification", () => {
     assert.equal(n, 2);
     assert.equal(a.buf.status[0], WcStatus.WR_FLUSH_ERR);
     a.cq.onNotify = null;
+  });
+
+  it("issue 21 point 1: completions made by a socket read notify from that read's callback, once for all of them (no setImmediate hop)", async () => {
+    const { a, b } = await pair();
+    const seen: string[] = [];
+    let completions = 0;
+    const notified = new Promise<void>((resolve) => {
+      b.cq.onNotify = () => {
+        seen.push((executionAsyncResource() as object).constructor.name);
+        completions += drain(b);
+        resolve();
+      };
+    });
+    b.qp.postRecv(recvs(b, 8));
+    b.cq.requestNotify();
+    a.qp.postSend(sends(a, 1, 8)); // one list: one write, read by B at once
+    await notified;
+    await waitCompletions(a, 8);
+    assert.equal(seen.length, 1, "one notification");
+    assert.notEqual(seen[0], "Immediate", "the notification waited for a setImmediate instead of running in the read's callback");
+    completions += drain(b);
+    assert.equal(completions, 8);
+    b.cq.onNotify = null;
   });
 });

@@ -1409,6 +1409,68 @@ describe("responder resources and back-pressure [issue 9 #9]", () => {
       assert.equal(p.qp.state, QpState.RTS);
     }));
 
+  /**
+   * The responder's count of outstanding READ responses must not depend on when
+   * Node runs a write's callback: libuv can run it an event-loop iteration after
+   * the kernel took the bytes (CI's two-hosts run refused a requester within its
+   * limit that way). Here the responder's write callbacks are held until the end,
+   * the latest they could ever run: a requester that keeps exactly
+   * maxDestRdAtomic READs outstanding, posting the next one as each completes,
+   * is never refused.
+   */
+  it("issue 21: a requester keeping exactly maxDestRdAtomic READs outstanding is never refused, however late the responder's write callbacks run", async () => {
+    const devA = await openDevice();
+    const devB = await openDevice();
+    cleanups.push(() => devA.close(), () => devB.close());
+    try {
+      const a = makeSide(devA);
+      const b = makeSide(devB);
+      const events: AsyncEvent[] = [];
+      a.qp.onEvent = (e) => events.push(e);
+      b.qp.onEvent = (e) => events.push(e);
+      const attr = { timeout: 14, retryCnt: 7, rnrRetry: 7, minRnrTimer: 1 };
+      a.qp.connect(b.qp.localEndpoint(), attr);
+      b.qp.connect(a.qp.localEndpoint(), { ...attr, maxDestRdAtomic: 16 });
+      const SLOT = 64;
+      const src = b.pd.registerMr(4096, ALL_REMOTE);
+      fill(src, 3);
+      const dst = a.pd.registerMr(16 * SLOT, ALL_REMOTE);
+      const read = (i: number): void =>
+        a.qp.postSend([{ wrId: i, opcode: WrOpcode.RDMA_READ, flags: SendFlags.SIGNALED, sgList: [sge(dst, (i % 16) * SLOT, SLOT)], remoteAddr: src.addr + ((i * SLOT) % src.length), rkey: src.rkey }]);
+      // One READ first: the pair is up and the responder holds its stream.
+      read(0);
+      assert.equal(statuses(await waitCompletions(a, 1)), "0:SUCCESS");
+      const sock = (b.qp as unknown as { sock: net.Socket }).sock;
+      const held: (() => void)[] = [];
+      const write = sock.write;
+      const plain = write as (chunk: Uint8Array, cb?: (err?: Error | null) => void) => boolean;
+      sock.write = ((chunk: Uint8Array, cb?: (err?: Error | null) => void) =>
+        plain.call(sock, chunk, cb === undefined ? undefined : (err?: Error | null) => void held.push(() => cb(err)))) as typeof sock.write;
+      try {
+        const TOTAL = 300;
+        let posted = 1;
+        for (; posted <= 16; posted++) read(posted);
+        for (let done = 1; done < TOTAL; done++) {
+          const [wc] = await waitCompletions(a, 1);
+          assert.equal(statuses([wc!]), `${done}:SUCCESS`, `READ ${done} of ${TOTAL} (16 outstanding; events: ${events.map((e) => e.reason).join("; ")})`);
+          const got = bytes(dst).subarray((done % 16) * SLOT, (done % 16 + 1) * SLOT);
+          const off = (done * SLOT) % src.length;
+          assert.deepEqual(got, bytes(src).subarray(off, off + SLOT), `READ ${done} brought its bytes`);
+          if (posted < TOTAL) read(posted++);
+        }
+        assert.ok(held.length >= TOTAL - 1, `the responder's write callbacks were held (${held.length})`);
+      } finally {
+        sock.write = write;
+        for (const f of held.splice(0)) f();
+      }
+      assert.deepEqual(events, []);
+      assert.equal(b.qp.state, QpState.RTS);
+    } finally {
+      devA.close();
+      devB.close();
+    }
+  });
+
   it("maxDestRdAtomic 0: a READ is answered with NAK invalid request (REM_INV_REQ_ERR), as verbs does", async () => {
     const w = new Waiter();
     const devA = await openDevice();

@@ -3,6 +3,13 @@
  * arrays, as the seam's CompletionBuffer) with verbs-exact notification (arm,
  * then poll once more). Overrun is a CQ error, as on an HCA: every QP using
  * the CQ moves to ERR.
+ *
+ * Notification: a completion made while a socket's bytes are being handled
+ * (inside {@link deliverAfter}) notifies an armed CQ when those bytes are
+ * done, in the same callback: every completion of one read is seen in one
+ * wake-up, with no event-loop hop. A completion made anywhere else (a flush
+ * to ERR, a local error) notifies from a setImmediate. Either way the
+ * notification comes after the call that armed the CQ returned, as on verbs.
  */
 import { RdmaError, checkInt } from "../../errors.js";
 import { CompletionBuffer, type AsyncEvent, type AsyncEventType, type CompletionQueue, type Device } from "../types.js";
@@ -16,6 +23,35 @@ export interface CqDevice extends Device {
 /** A QP using the CQ (moved to ERR when the CQ overruns). */
 export interface CqUser {
   fatal(type: AsyncEventType, reason: string): void;
+}
+
+/** Socket reads being handled now (nested) and the CQs they completed into while armed. */
+let reading = 0;
+let toNotify: TcpCq[] = [];
+
+/**
+ * Hands one socket read's bytes to `sink`, then notifies every armed CQ that
+ * got a completion meanwhile, once each.
+ */
+export function deliverAfter(sink: (buf: Buffer, start: number, end: number) => void, buf: Buffer, start: number, end: number): void {
+  reading++;
+  try {
+    sink(buf, start, end);
+  } finally {
+    if (--reading === 0 && toNotify.length > 0) {
+      const cqs = toNotify;
+      toNotify = [];
+      let err: unknown = null;
+      for (const cq of cqs) {
+        try {
+          cq.notifyNow();
+        } catch (e) {
+          err ??= e;
+        }
+      }
+      if (err !== null) throw err;
+    }
+  }
 }
 
 /** Completion ring: struct of arrays, `depth` entries; overflow is a CQ error as on an HCA. */
@@ -101,12 +137,16 @@ export class TcpCq implements CompletionQueue {
     if (this.armed && !this.scheduled) {
       this.armed = false;
       this.scheduled = true;
-      setImmediate(() => {
-        this.scheduled = false;
-        if (!this.destroyed) this._onNotify?.();
-        this.updateHold();
-      });
+      if (reading > 0) toNotify.push(this);
+      else setImmediate(() => this.notifyNow());
     }
+  }
+
+  /** A notification that was scheduled: runs the handler (once per arm). */
+  notifyNow(): void {
+    this.scheduled = false;
+    if (!this.destroyed) this._onNotify?.();
+    this.updateHold();
   }
 
   poll(out: CompletionBuffer, max?: number): number {

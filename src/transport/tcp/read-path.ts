@@ -19,6 +19,7 @@
  * the 'data' event into the same sink: slower, identical bytes.
  */
 import * as net from "node:net";
+import { deliverAfter } from "./cq.js";
 
 /** Size of the shared read buffer: the most one read takes from the kernel. */
 export const READ_BUFFER_BYTES = 64 * 1024;
@@ -45,7 +46,7 @@ function onreadOf(port: ReadPort): { buffer: Buffer; callback: (n: number, buf: 
   return {
     buffer: readBuffer(),
     callback: (n: number, buf: Uint8Array): boolean => {
-      port.sink(buf as Buffer, 0, n);
+      deliverAfter(port.sink, buf as Buffer, 0, n);
       return true;
     },
   };
@@ -81,7 +82,7 @@ export function adoptAccepted(orig: net.Socket, into: ReadPort): net.Socket {
     }
   }
   readPathStats.fallback++;
-  orig.on("data", (chunk: Buffer) => into.sink(chunk, 0, chunk.length));
+  orig.on("data", (chunk: Buffer) => deliverAfter(into.sink, chunk, 0, chunk.length));
   orig.resume();
   return orig;
 }

@@ -11,7 +11,8 @@
  *   the QP's access flags, 8-byte alignment for atomics; a violation answers
  *   with the NAK verbs would send and moves the QP to ERR;
  * - at most `maxDestRdAtomic` READ/atomic responses are outstanding (counted
- *   as responses the kernel has not taken yet); one more is NAK invalid request;
+ *   as responses the kernel has not taken yet, asked of the socket when a
+ *   request arrives; taken.ts); one more is NAK invalid request;
  * - ACKs are coalesced: one cumulative ACK per chunk, carried by our next
  *   request (piggybacked) or sent alone at the end of the event-loop turn, at
  *   once past ACK_EAGER_REQUESTS; during a long payload a progress ACK at most
@@ -31,6 +32,7 @@ import { FrameFlags, FrameType, HEADER_LEN, Syndrome, encodeHeader, type Decoded
 import type { FrameReader } from "./frame-reader.js";
 import { localView, mrsAlive, type TcpMr } from "./memory.js";
 import { PSN_MASK, type QpCore } from "./qp-core.js";
+import { kernelTaken } from "./taken.js";
 
 /**
  * Many small requests do not wait for the end of the turn: once the ACK owed
@@ -77,8 +79,14 @@ export class Responder {
   private respDiscard = false;
   /** When the responder last signalled progress during a long request payload (see PROGRESS_INTERVAL_MS). */
   private progressAt = 0;
-  /** READ/atomic responses written but not yet handed to the kernel: requests still outstanding at the peer. */
-  private respUnflushed = 0;
+  /**
+   * Where each READ/atomic response not yet known to be taken by the kernel
+   * ends in the stream (taken.ts's offsets), oldest first: requests certainly
+   * still outstanding at the peer. At most maxDestRdAtomic entries.
+   */
+  private respEnds: number[] = [];
+  /** The furthest response end whose write callback ran (what is known without asking the socket). */
+  private respCalledBack = 0;
   /** The stream is paused until our responses drain (or our requester sends). */
   private respPaused = false;
   /** Bytes of responses and ACKs written and not yet taken by the kernel (our own requests are not counted). */
@@ -194,41 +202,46 @@ export class Responder {
   private respond(type: FrameType, psn: number, aux: number, op1: bigint | number, op2: number, payload: Uint8Array | null, from: TcpMr | null = null): void {
     const s = this.sock;
     if (!s || s.destroyed) return;
-    // READ/atomic responses hold a responder resource until the kernel has them (see maxDestRdAtomic).
+    const n = payload === null ? 0 : payload.length;
+    // READ/atomic responses hold a responder resource until the kernel has them (see responderResource).
     const resource = type === FrameType.READ_RESP || type === FrameType.ATOMIC_RESP;
-    if (resource) this.respUnflushed++;
-    this.respQueued += HEADER_LEN;
-    if (payload && payload.length > 0) {
-      this.respQueued += payload.length;
-      const n = payload.length;
+    const end = resource ? s.bytesWritten + HEADER_LEN + n : 0;
+    if (resource) this.respEnds.push(end);
+    this.respQueued += HEADER_LEN + n;
+    if (n > 0) {
       s.cork();
-      s.write(encodeHeader(type, 0, psn, payload.length, 0, 0, 0, aux, op1, op2), this.hdrFlushed);
-      if (from) {
-        from.retainForWrite();
-        s.write(payload, () => {
-          from.writeDone();
-          this.payloadFlushed(n, resource);
-        });
-      } else s.write(payload, () => this.payloadFlushed(n, resource));
+      s.write(encodeHeader(type, 0, psn, n, 0, 0, 0, aux, op1, op2), this.hdrFlushed);
+      from?.retainForWrite();
+      s.write(payload!, () => {
+        from?.writeDone();
+        if (resource) this.calledBack(end);
+        this.payloadFlushed(n);
+      });
       s.uncork();
     } else {
-      s.write(encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2), resource ? this.respFlushed : this.hdrFlushed);
+      s.write(
+        encodeHeader(type, 0, psn, 0, 0, 0, 0, aux, op1, op2),
+        resource
+          ? () => {
+              this.calledBack(end);
+              this.hdrFlushed();
+            }
+          : this.hdrFlushed,
+      );
     }
   }
 
-  /** A response's own header (and, for an ATOMIC_RESP, the response) was taken by the kernel. */
-  private readonly respFlushed = (): void => {
-    this.respUnflushed--;
-    this.hdrFlushed();
-  };
+  /** A response's write callback ran: the kernel has it (what is known where the socket cannot be asked; taken.ts). */
+  private calledBack(end: number): void {
+    if (end > this.respCalledBack) this.respCalledBack = end;
+  }
 
   private readonly hdrFlushed = (): void => {
     if (this.respQueued >= HEADER_LEN) this.respQueued -= HEADER_LEN;
     if (this.respPaused && this.respQueued <= RESP_PAUSE_BYTES) this.unpause();
   };
 
-  private payloadFlushed(n: number, resource: boolean): void {
-    if (resource) this.respUnflushed--;
+  private payloadFlushed(n: number): void {
     this.respQueued = this.respQueued >= n ? this.respQueued - n : 0;
     if (this.respPaused && this.respQueued <= RESP_PAUSE_BYTES) this.unpause();
   }
@@ -464,13 +477,20 @@ export class Responder {
    * outstanding there: counting those never refuses a requester within the limit.
    */
   private responderResource(h: DecodedHeader): boolean {
-    if (this.respUnflushed < this.maxDestRdAtomic) return true;
+    const ends = this.respEnds;
+    if (ends.length > 0) {
+      const taken = Math.max(this.respCalledBack, this.sock === null ? -1 : kernelTaken(this.sock));
+      let k = 0;
+      while (k < ends.length && ends[k]! <= taken) k++;
+      if (k > 0) ends.splice(0, k);
+    }
+    if (ends.length < this.maxDestRdAtomic) return true;
     this.nak(
       h.psn,
       Syndrome.NAK_INV_REQ,
       this.maxDestRdAtomic === 0
         ? "RDMA READ/atomic request, but this QP has no responder resources (maxDestRdAtomic 0)"
-        : `more RDMA READ/atomic requests outstanding than maxDestRdAtomic ${this.maxDestRdAtomic} (${this.respUnflushed} responses not yet taken by the peer)`,
+        : `more RDMA READ/atomic requests outstanding than maxDestRdAtomic ${this.maxDestRdAtomic} (${ends.length} responses not yet taken by the peer's kernel)`,
     );
     return false;
   }
