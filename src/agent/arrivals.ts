@@ -33,8 +33,8 @@ import type { ConnectionOptions } from "./options.js";
 
 /** What arrivals need from their connection: the parts they hand messages to. */
 export interface ArrivalsHost {
-  readonly cr: Pick<Credits, "consumed" | "returned" | "echoed">;
-  readonly recvs: Pick<RecvRing, "put" | "repost">;
+  readonly cr: Pick<Credits, "consumed" | "returned" | "echoed" | "growth">;
+  readonly recvs: Pick<RecvRing, "put" | "repost" | "grow">;
   readonly inbox: Pick<Inbox, "pushMessage" | "pushImm">;
   readonly rndv: Pick<Rendezvous, "onAnnounce" | "onDone" | "onCancel">;
   readonly memory: Pick<MemoryProtocol, "onMessage">;
@@ -70,6 +70,8 @@ export class Arrivals {
   /** A receive completed successfully into `mem` (its `byteLen` bytes; `imm` for a WRITE with immediate). */
   onReceive(mem: LocalMemory, opcode: number, byteLen: number, imm: number): void {
     this.cr.consumed();
+    const grow = this.cr.growth();
+    if (grow > 0) this.recvs.grow(grow);
     this.live.arrived();
     this.poller.touch();
     if (this.life.peerClosed) {

@@ -1,11 +1,11 @@
 /**
- * The agent's control protocol, version 3: every SEND between two async-rdma
+ * The agent's control protocol, version 4: every SEND between two async-rdma
  * endpoints starts with this 24-byte header (docs/wire-format.md).
  *
  * | off | size | field   | meaning                                                      |
  * |-----|------|---------|--------------------------------------------------------------|
  * | 0   | 1    | magic   | 0xA7                                                         |
- * | 1   | 1    | version | 1                                                            |
+ * | 1   | 1    | version | 4                                                            |
  * | 2   | 1    | type    | MsgType                                                      |
  * | 3   | 1    | flags   | bit0: user immediate present                                 |
  * | 4   | 4    | credits | receive buffers the sender re-posted since its last report   |
@@ -20,10 +20,14 @@
  * MR_OPEN carries the first 16 bytes of SHA-256(name) in bytes 24–39 instead.
  *
  * DATA carries the user's bytes after the 24-byte header. Big-endian fields.
+ *
+ * Credits (credits.ts): each side posts min(its receive depth, 8) receives
+ * before it connects, so its peer starts with that many credits, and may
+ * grow its ring up to its depth, granting the new receives as credits.
  */
 
 export const MAGIC = 0xa7;
-export const VERSION = 3;
+export const VERSION = 4;
 export const HDR = 24;
 export const DESC = 16;
 

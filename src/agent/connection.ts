@@ -469,7 +469,7 @@ export class Connection implements PartsHost {
     return this.lanes.outstanding + this.lanes.queued;
   }
 
-  stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number; sharesOpenedByPeer: number; sharesOpened: number; recycledReceives: number; creditMessages: number } {
-    return { credits: this.cr.credits, sqOutstanding: this.lanes.outstanding, ...this.memory.stats(), unread: this.inbox.held(), rendezvousOut: this.rndv.outstanding, recycledReceives: this.recvs.recycled, creditMessages: this.creditMessages };
+  stats(): { credits: number; sqOutstanding: number; grants: number; quotaUsed: number; lends: number; unclaimedLocal: number; unclaimedRemote: number; unread: number; rendezvousOut: number; sharesOpenedByPeer: number; sharesOpened: number; recycledReceives: number; creditMessages: number; receiveRing: number } {
+    return { credits: this.cr.credits, sqOutstanding: this.lanes.outstanding, ...this.memory.stats(), unread: this.inbox.held(), rendezvousOut: this.rndv.outstanding, recycledReceives: this.recvs.recycled, creditMessages: this.creditMessages, receiveRing: this.cr.ourRing };
   }
 }

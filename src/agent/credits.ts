@@ -3,8 +3,9 @@
  * connection posts what these rules decide).
  *
  * Invariant: this side never sends more SENDs than the peer has receives
- * posted (`credits`: the peer's depth at start, less every SEND posted, plus
- * every credit the peer returned, never more than its depth), and tells the
+ * posted (`credits`: the peer's first receives, {@link initialReceives} of its
+ * depth, less every SEND posted, plus every credit the peer returned, never
+ * more than its depth), and tells the
  * peer of every receive it re-posted (`toReturn`, piggybacked on the next
  * message's header or sent in a CREDIT message). The last credits are
  * reserved so the two sides can always return credits to each other:
@@ -15,11 +16,26 @@
  *   more for control (`NEED.data`); one-sided work and internal READs
  *   consume no receive and need none.
  *
+ * The receive ring grows with use: each side posts {@link initialReceives}
+ * of its depth before it connects, and doubles its ring (up to its depth)
+ * when the peer is about to run out of credits even counting those owed to
+ * it ({@link Credits.growth}); the new receives are credits like re-posted
+ * ones. A connection that never has more than a few messages in flight keeps
+ * a few receive buffers.
+ *
  * A CREDIT message is sent only when nothing queued will carry the credits
  * soon ({@link Credits.shouldSendCredits}); one that would only return the
  * buffer the peer's own CREDIT consumed is never sent, so two sides that
  * hold unread messages cannot ping-pong CREDITs.
  */
+
+/** Receives each side posts before it connects (protocol v2): the peer's first credits. */
+export const INITIAL_RECEIVES = 8;
+
+/** The receives a side of depth `depth` posts before it connects: the credits its peer starts with. */
+export function initialReceives(depth: number): number {
+  return Math.min(depth, INITIAL_RECEIVES);
+}
 
 /** The credit reserved for CREDIT messages. */
 export const CREDIT_RESERVE = 1;
@@ -55,8 +71,12 @@ export class Credits {
    * those would answer a CREDIT with a CREDIT for ever.
    */
   echo = 0;
-  /** The credits the peer sees: our depth, less every receive it consumed, plus every credit we reported. */
+  /** The credits the peer sees: our first receives, less every receive it consumed, plus every credit we reported. */
   peerCredits: number;
+  /** Receives our ring holds (posted, held by the user, or batched): grows from initialReceives up to our depth. */
+  ourRing: number;
+  /** Receives the ring grew by and has not posted yet (they are posted with the next batch, then owed to the peer). */
+  private growing = 0;
 
   constructor(
     /** The peer's receive depth (the most credits it can return). */
@@ -64,14 +84,29 @@ export class Credits {
     /** This side's receive depth. */
     private readonly ourDepth: number,
   ) {
-    this.credits = peerDepth;
-    this.peerCredits = ourDepth;
+    this.credits = initialReceives(peerDepth);
+    this.peerCredits = initialReceives(ourDepth);
+    this.ourRing = this.peerCredits;
   }
 
   /** The handshake told us the peer's depth (before any send). */
   setPeerDepth(depth: number): void {
     this.peerDepth = depth;
-    this.credits = depth;
+    this.credits = initialReceives(depth);
+  }
+
+  /**
+   * Receives to add to our ring now (0: none): when the peer sees fewer
+   * credits than a data message needs even counting those we owe it, the ring
+   * doubles, up to our depth. The caller posts them and reports them as
+   * re-posted (credits to return); the ring counts them from now on.
+   */
+  growth(): number {
+    if (this.ourRing >= this.ourDepth || this.peerCredits + this.toReturn + this.growing >= NEED.data) return 0;
+    const n = Math.min(this.ourRing, this.ourDepth - this.ourRing);
+    this.ourRing += n;
+    this.growing += n;
+    return n;
   }
 
   /** Whether a message needing `need` credits at the head of its lane may take one now. */
@@ -93,9 +128,10 @@ export class Credits {
     return n;
   }
 
-  /** `n` receives were re-posted. */
+  /** `n` receives were posted (re-posted, or new ones of a growth: a batch carries every receive the ring grew by). */
   reposted(n: number): void {
     this.toReturn += n;
+    this.growing = 0;
   }
 
   /** The peer consumed one of our receives. */
@@ -127,7 +163,7 @@ export class Credits {
     if (q.credit || this.toReturn < 1) return false;
     if (this.peerCredits < NEED.data) return this.toReturn - Math.min(this.echo, this.toReturn) >= 1 || this.toReturn >= 2;
     if (this.toReturn < 2) return false;
-    if (!q.ctrl && !q.data) return this.toReturn >= Math.max(2, this.ourDepth >> 2);
+    if (!q.ctrl && !q.data) return this.toReturn >= Math.max(2, this.ourRing >> 2);
     const ctrlBlocked = !q.ctrl || this.credits < NEED.ctrl;
     const dataBlocked = !q.data || this.credits < q.dataHeadNeed;
     return ctrlBlocked && dataBlocked;

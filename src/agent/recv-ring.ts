@@ -24,6 +24,7 @@ import { LocalMemory } from "../memory/mr.js";
 import type { Allocation, MrPool } from "../memory/pool.js";
 import { HDR } from "./codec.js";
 import { newOp, type OpTable } from "./ops.js";
+import { initialReceives } from "./credits.js";
 
 type RecvWr = { wrId: number; sgList: { addr: number; length: number; lkey: number }[] };
 
@@ -62,11 +63,18 @@ export class RecvRing {
     return this.posted.size;
   }
 
-  /** Posts the first `depth` receives (before the QP connects, so the peer never meets an empty queue). */
+  /** Posts the first receives, initialReceives of the depth (before the QP connects, so the peer never meets an empty queue). */
   postInitial(): void {
     const wrs = [];
-    for (let i = 0; i < this.depth; i++) wrs.push(this.newRecv());
+    for (let i = initialReceives(this.depth); i > 0; i--) wrs.push(this.newRecv());
     this.qp.postRecv(wrs);
+  }
+
+  /** The ring grows by `n` receives (credits.ts decides when): posted like re-posts, and reported as credits once posted. */
+  grow(n: number): void {
+    if (this.host.ended()) return;
+    for (let i = 0; i < n; i++) this.batch.push(this.newRecv());
+    if (!this.host.draining()) this.postBatch();
   }
 
   /** The buffer of a completed receive, no longer posted. */

@@ -64,8 +64,8 @@ const DEFAULTS: ResolvedSettings = {
   keepaliveMs: 2_000,
   maxMessageSize: 64 << 20,
   maxHandshakes: 256,
-  // ~280 KiB of memory and 2 descriptors per idle connection with the other defaults: 1024 of them
-  // stay under ~300 MiB and fit a process's usual descriptor limit with room to spare.
+  // ~120 KiB of memory and 2 descriptors per idle connection with the other defaults (a streaming one
+  // grows its receive ring to ~230 KiB): 1024 of them stay under ~300 MiB and fit a process's usual descriptor limit with room to spare.
   maxConnections: 1024,
   cm: "tcp",
   auth: null,
@@ -177,7 +177,7 @@ export class RdmaBuilder {
     this.s.eagerMax = checkInt("eagerThreshold", bytes, 0, 1 << 20);
     return this;
   }
-  /** Receive buffers posted per connection (the peer's send credits). */
+  /** The most receive buffers a connection posts (the peer's send credits): 8 at first, doubling up to this as the peer keeps more messages in flight. */
   setRecvDepth(n: number): this {
     this.s.recvDepth = checkInt("recvDepth", n, 8, 65536);
     return this;
@@ -266,7 +266,7 @@ export class RdmaBuilder {
    * past it is refused before anything is allocated for it, with
    * CONNECTION_REFUSED "the server is full"; a slot frees when a connection
    * ends (closed by either side, or failed). Each idle connection costs
-   * about 280 KiB and 2 descriptors with the default settings.
+   * about 120 KiB and 2 descriptors with the default settings.
    */
   setMaxConnections(n: number): this {
     this.s.maxConnections = checkInt("maxConnections", n, 1, 1 << 20);

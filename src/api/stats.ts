@@ -59,6 +59,8 @@ export interface AgentStats {
   sharesOpened: number;
   recycledReceives: number;
   creditMessages: number;
+  /** Receive buffers this side's ring holds: 8 (or the receive depth, if smaller) at first, doubling up to the receive depth as the peer keeps more messages in flight. */
+  receiveRing: number;
   pool: PoolStats;
 }
 

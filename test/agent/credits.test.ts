@@ -4,7 +4,7 @@
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { CREDIT_RESERVE, CTRL_RESERVE, Credits, NEED } from "../../src/agent/credits.js";
+import { CREDIT_RESERVE, CTRL_RESERVE, Credits, INITIAL_RECEIVES, NEED, initialReceives } from "../../src/agent/credits.js";
 
 const idle = { credit: false, ctrl: false, data: false, dataHeadNeed: 0 };
 
@@ -53,18 +53,79 @@ describe("send credits (agent/credits.ts)", () => {
     assert.equal(c.report(), 0);
   });
 
-  it("idle: a CREDIT goes once a quarter of the depth is owed, not before", () => {
+  it("idle: a CREDIT goes once a quarter of the ring is owed, not before", () => {
     const c = new Credits(32, 32);
-    for (let i = 0; i < 7; i++) c.consumed();
-    c.reposted(7);
-    assert.equal(c.shouldSendCredits(idle), false);
-    c.consumed();
-    c.reposted(1);
-    assert.equal(c.shouldSendCredits(idle), true);
+    // Grow the ring to its depth (the peer ran low while nothing was owed to it).
+    while (c.ourRing < 32) {
+      while (c.peerCredits + c.toReturn >= NEED.data) c.consumed();
+      const n = c.growth();
+      c.reposted(n);
+      c.report();
+    }
+    const fresh = new Credits(32, 32);
+    fresh.ourRing = 32;
+    fresh.peerCredits = 32;
+    for (let i = 0; i < 7; i++) fresh.consumed();
+    fresh.reposted(7);
+    assert.equal(fresh.shouldSendCredits(idle), false);
+    fresh.consumed();
+    fresh.reposted(1);
+    assert.equal(fresh.shouldSendCredits(idle), true, "a quarter of a 32-receive ring");
+    const small = new Credits(32, 32);
+    small.consumed();
+    small.reposted(1);
+    assert.equal(small.shouldSendCredits(idle), false);
+    small.consumed();
+    small.reposted(1);
+    assert.equal(small.shouldSendCredits(idle), true, "a quarter of the 8 first receives");
+  });
+
+  it("issue 21 point 6: the ring starts with 8 receives and grows, doubling up to the depth, only when the peer runs low even counting what it is owed", () => {
+    assert.equal(INITIAL_RECEIVES, 8);
+    assert.equal(initialReceives(32), 8);
+    assert.equal(initialReceives(8), 8);
+    const c = new Credits(32, 32);
+    assert.equal(c.credits, 8, "the peer's first receives: 8 of its 32");
+    assert.equal(c.peerCredits, 8);
+    assert.equal(c.ourRing, 8);
+    // One message at a time, each re-posted and reported: never grows.
+    for (let i = 0; i < 100; i++) {
+      c.consumed();
+      assert.equal(c.growth(), 0);
+      c.reposted(1);
+      c.report();
+    }
+    assert.equal(c.ourRing, 8);
+    // Owed but not reported counts: the peer will have them.
+    for (let i = 0; i < 4; i++) c.consumed();
+    c.reposted(4);
+    assert.equal(c.growth(), 0, "4 owed: the peer is not short");
+    c.report();
+    // The peer runs low with nothing owed: the ring doubles, then doubles again, never past the depth.
+    for (let i = 0; i < 4; i++) c.consumed();
+    assert.equal(c.growth(), 8);
+    assert.equal(c.ourRing, 16);
+    assert.equal(c.growth(), 0, "grown once: the new receives are owed now");
+    c.reposted(8);
+    c.report();
+    while (c.peerCredits >= NEED.data) c.consumed();
+    assert.equal(c.growth(), 16);
+    assert.equal(c.ourRing, 32);
+    c.reposted(16);
+    c.report();
+    while (c.peerCredits > 0) c.consumed();
+    assert.equal(c.growth(), 0, "at its depth");
+    // The peer accepts credits up to our depth, not just the first 8.
+    const peer = new Credits(32, 32);
+    while (peer.canSend(NEED.credit)) peer.spend(NEED.credit);
+    assert.equal(peer.returned(8 + 16), null, "credits for a grown ring");
+    assert.match(peer.returned(9) ?? "", /more credits than its 32/);
   });
 
   it("queued work that can take credits carries them: no CREDIT", () => {
     const c = new Credits(32, 32);
+    c.ourRing = 32;
+    c.peerCredits = 32;
     for (let i = 0; i < 10; i++) c.consumed();
     c.reposted(10);
     assert.equal(c.shouldSendCredits({ ...idle, data: true, dataHeadNeed: NEED.data }), false);

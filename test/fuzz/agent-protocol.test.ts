@@ -85,7 +85,7 @@ function verdict(b: Uint8Array, honest: boolean, m: Model, c: Ctx): Verdict {
   if (len < 24) return fatal(`${len} bytes: shorter than a header`);
   const dv = new DataView(b.buffer, b.byteOffset, len);
   if (b[0] !== 0xa7) return fatal("bad magic");
-  if (b[1] !== 3) return fatal(`version ${b[1]}`);
+  if (b[1] !== 4) return fatal(`version ${b[1]}`);
   const type = b[2]!;
   const flags = b[3]!;
   if (type < 1 || type > 21) return fatal(`type ${type}`);
@@ -647,7 +647,7 @@ describe(`agent control protocol fuzz [${PROVIDER}]`, { timeout: 900_000 * SLOW 
           p.send({ type: MsgType.MR_GRANT, token: m.token, id: r.id, a, b: r.lease, addr, rkey, imm: 0xe });
           if (r.twice) p.send({ type: MsgType.MR_GRANT, token: m.token, id: (r.id + 1) >>> 0, a, b: r.lease, addr, rkey, imm: 0xe });
           inputs += r.twice ? 2 : 1;
-          // A grant of another size than requested is a protocol breach (docs/wire-format.md, version 3).
+          // A grant of another size than requested is a protocol breach (docs/wire-format.md, version 4).
           if (a !== size) expect = "PROTOCOL";
           else if (r.lease === 0) expect = "LEASE_EXPIRED";
           else if (rkey === g.rkey && addr >= g.addr && addr + size <= g.addr + g.length) {

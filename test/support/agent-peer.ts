@@ -14,6 +14,7 @@ import net from "node:net";
 import { LineReader, PROTOCOL_VERSION, helloBytes, parseHello, peerEndpoint, sendLine } from "../../src/api/handshake.js";
 import { authMac, nonce } from "../../src/api/auth.js";
 import { HDR, MsgType, decodeMsg, encodeMsg, newMsg, type Msg } from "../../src/agent/codec.js";
+import { initialReceives } from "../../src/agent/credits.js";
 import {
   Access,
   CompletionBuffer,
@@ -173,7 +174,8 @@ export class RawAgentPeer {
       }
       const reply = parseHello(await reader.nextJson(), PROVIDER);
       p.server = { recvDepth: reply.recvDepth, eagerMax: reply.eagerMax, maxMessageSize: reply.maxMessageSize ?? 0 };
-      p.credits = reply.recvDepth;
+      // Agent protocol v4: the server posted min(recvDepth, 8) receives before connecting (agent/credits.ts).
+      p.credits = initialReceives(reply.recvDepth);
       p.qp.connect(peerEndpoint(reply.endpoint, sock), { gidIndex: GID_INDEX, timeout: 14, retryCnt: 7, rnrRetry: 7, minRnrTimer: 1 });
       p.cq.requestNotify();
       if (opts.beforeReady) await opts.beforeReady(p);
@@ -292,7 +294,9 @@ export class RawAgentPeer {
       this.cq.requestNotify();
       while ((n = this.cq.poll(this.buf)) > 0) for (let i = 0; i < n; i++) this.onCompletion(i);
     }
-    if (this.toReturn >= 8 && !this.dead) this.creditOwed = true;
+    // The server starts with 8 credits (agent protocol v4) and keeps some in reserve: return them
+    // once two are owed, as an agent returns them to a peer running low (agent/credits.ts).
+    if (this.toReturn >= 2 && !this.dead) this.creditOwed = true;
     this.flush();
     this.w.poke();
   }
