@@ -163,7 +163,7 @@ export class Credits {
     if (q.credit || this.toReturn < 1) return false;
     if (this.peerCredits < NEED.data) return this.toReturn - Math.min(this.echo, this.toReturn) >= 1 || this.toReturn >= 2;
     if (this.toReturn < 2) return false;
-    if (!q.ctrl && !q.data) return this.toReturn >= Math.max(2, this.ourRing >> 2);
+    if (!q.ctrl && !q.data) return this.toReturn >= Math.max(2, this.ourDepth >> 2);
     const ctrlBlocked = !q.ctrl || this.credits < NEED.ctrl;
     const dataBlocked = !q.data || this.credits < q.dataHeadNeed;
     return ctrlBlocked && dataBlocked;
