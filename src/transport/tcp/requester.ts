@@ -52,9 +52,12 @@ export const REQUEST_QUEUE_BYTES = 256 * 1024;
  * pending or queued in a socket any more (its writes' callbacks have run:
  * the kernel has them), so a steady stream copies into memory that is already
  * mapped and cached; while writes from it are queued, a full slab is left to
- * them and a new one taken.
+ * them and another one taken: one whose writes are all done (kept, at most
+ * FREE_SLABS of them), else a new one.
  */
 const STAGE_BYTES = 64 * 1024;
+/** Slabs whose writes are done, kept for reuse (process-wide: at most FREE_SLABS × STAGE_BYTES held idle). */
+const FREE_SLABS = 8;
 
 interface Slab {
   buf: Buffer;
@@ -64,7 +67,8 @@ interface Slab {
 }
 
 let stage: Slab | null = null;
-/** Staging slabs allocated so far (tests and benchmarks: a steady stream reuses one). */
+const freeSlabs: Slab[] = [];
+/** Staging slabs allocated so far (tests and benchmarks: a steady stream reuses a few). */
 export const stageStats = { slabs: 0 };
 
 /** `n` bytes of the staging slab for a frame; the caller holds the slab (users) until its write is done. */
@@ -72,12 +76,23 @@ function stageBytes(n: number): Buffer {
   let st = stage;
   if (st !== null && st.users === 0) st.off = 0;
   if (st === null || st.off + n > st.buf.length) {
-    st = stage = { buf: Buffer.allocUnsafeSlow(Math.max(STAGE_BYTES, n)), off: 0, users: 0 };
-    stageStats.slabs++;
+    const free = n <= STAGE_BYTES ? freeSlabs.pop() : undefined;
+    if (free !== undefined) st = stage = free;
+    else {
+      st = stage = { buf: Buffer.allocUnsafeSlow(Math.max(STAGE_BYTES, n)), off: 0, users: 0 };
+      stageStats.slabs++;
+    }
   }
   const b = st.buf.subarray(st.off, st.off + n);
   st.off += n;
   return b;
+}
+
+/** A write from `slab` is done (or failed): once none is left, a slab that is no longer the current one is kept for reuse. */
+function releaseSlab(slab: Slab): void {
+  if (--slab.users > 0 || slab === stage || freeSlabs.length >= FREE_SLABS || slab.buf.length !== STAGE_BYTES) return;
+  slab.off = 0;
+  freeSlabs.push(slab);
 }
 
 export class Requester {
@@ -289,9 +304,7 @@ export class Requester {
     }
     this.outSlab = null;
     // The callback runs once the kernel has the bytes, or the write failed (the stream is gone): either way the slab is free of it.
-    sock.write(bytes, () => {
-      slab.users--;
-    });
+    sock.write(bytes, () => releaseSlab(slab));
   }
 
   /** Writes one request; false for a local protection error (an SGE outside registered memory). */
