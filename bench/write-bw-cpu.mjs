@@ -1,8 +1,8 @@
 #!/usr/bin/env node
 // CPU per side of the tcp provider's `perf write_bw`, several builds and the
 // plain Node TCP stream (bench/lib/node-tcp.mjs) alternating in one run:
-// MB/s, and each process's user+sys CPU, minor page faults and voluntary
-// context switches (GNU time), medians (min-max) over --pairs rounds. CPU
+// MB/s, and each process's user+sys CPU (and the sys part), minor page
+// faults (GNU time), medians (min-max) over --pairs rounds. CPU
 // holds up on a loaded machine better than MB/s: a regression in the
 // receiver's or the sender's cost per byte shows here even when the machine
 // is busy. Each process's figures include its start-up (about 0.2 s of CPU
@@ -51,7 +51,7 @@ function run(args, onOut) {
     p.stderr.on("data", (d) => (err += d));
     p.on("close", () => {
       const m = /TIME ([\d.]+) ([\d.]+) (\d+) (\d+)/.exec(err);
-      res({ out, err, cpu: m ? Number(m[1]) + Number(m[2]) : NaN, minflt: m ? Number(m[3]) : NaN, vcs: m ? Number(m[4]) : NaN });
+      res({ out, err, cpu: m ? Number(m[1]) + Number(m[2]) : NaN, sys: m ? Number(m[2]) : NaN, minflt: m ? Number(m[3]) : NaN, vcs: m ? Number(m[4]) : NaN });
     });
   });
 }
@@ -68,7 +68,7 @@ async function once(build) {
     }
   });
   const s = await server;
-  const c = client ? await client : { out: "", err: "no client", cpu: NaN, minflt: NaN, vcs: NaN };
+  const c = client ? await client : { out: "", err: "no client", cpu: NaN, sys: NaN, minflt: NaN, vcs: NaN };
   const bw = /"bwAvg":([\d.]+)/.exec(c.out);
   return { bw: bw ? Number(bw[1]) : NaN, s, c };
 }
@@ -84,12 +84,12 @@ for (let i = 0; i < pairs; i++) {
 }
 const mm = (xs, d = 2) => `${median(xs).toFixed(d)} (${Math.min(...xs).toFixed(d)}-${Math.max(...xs).toFixed(d)})`;
 console.log(`# write_bw ${size} B x ${n}, ${pairs} rounds alternating; load ${load0.toFixed(2)} -> ${loadavg()[0].toFixed(2)}`);
-console.log("| build | MB/s | server CPU s | client CPU s | server µs/op | client µs/op | server minflt | client minflt |");
-console.log("|---|---|---|---|---|---|---|---|");
+console.log("| build | MB/s | server CPU s | client CPU s | server µs/op | client µs/op | server sys s | client sys s | server minflt | client minflt |");
+console.log("|---|---|---|---|---|---|---|---|---|---|");
 for (const b of builds) {
   const rs = res.get(b);
   const per = (xs) => ((median(xs) * 1e6) / Number(n)).toFixed(1);
   const sc = rs.map((r) => r.s.cpu);
   const cc = rs.map((r) => r.c.cpu);
-  console.log(`| ${b} | ${mm(rs.map((r) => r.bw), 1)} | ${mm(sc)} | ${mm(cc)} | ${per(sc)} | ${per(cc)} | ${median(rs.map((r) => r.s.minflt))} | ${median(rs.map((r) => r.c.minflt))} |`);
+  console.log(`| ${b} | ${mm(rs.map((r) => r.bw), 1)} | ${mm(sc)} | ${mm(cc)} | ${per(sc)} | ${per(cc)} | ${median(rs.map((r) => r.s.sys)).toFixed(2)} | ${median(rs.map((r) => r.c.sys)).toFixed(2)} | ${median(rs.map((r) => r.s.minflt))} | ${median(rs.map((r) => r.c.minflt))} |`);
 }
