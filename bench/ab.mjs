@@ -128,5 +128,7 @@ console.log(`# A/B: head ${head}${dirty ? " + uncommitted changes" : ""} vs base
 console.log(`# command: node bench/ab.mjs ${argv.join(" ")}`);
 console.log("| benchmark | unit | base median (min-max) | head median (min-max) | head/base | better |");
 console.log("|---|---|---|---|---|---|");
-const fmt = (xs, m) => `${+m.toFixed(1)} (${+Math.min(...xs).toFixed(1)}-${+Math.max(...xs).toFixed(1)})`;
+// One decimal, or three significant digits for small figures (ratios to node are around 1).
+const num = (x) => (Math.abs(x) < 10 ? +x.toPrecision(3) : +x.toFixed(1));
+const fmt = (xs, m) => `${num(m)} (${num(Math.min(...xs))}-${num(Math.max(...xs))})`;
 for (const r of rows) console.log(`| ${r.name} | ${r.unit} | ${fmt(r.base, r.mb)} | ${fmt(r.head, r.mh)} | ${r.ratio.toFixed(3)} | ${r.better} |`);
