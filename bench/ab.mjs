@@ -16,6 +16,11 @@
 //   send-4k         4 KiB messages/s, in one process (higher is better)
 //   rpc-vs-node     calls/s at 32 B c=1 (two processes; noisy on a busy machine)
 //   rpc-4k-c64      calls/s at 4 KiB c=64 (two processes)
+//   write-bw-4k     tcp write_bw MB/s at 4 KiB (perf CLI, two processes; bench/tcp-vs-node.mjs, one run)
+//   write-bw-64k    the same at 64 KiB
+//   write-bw-1m     the same at 1 MiB
+//   write-bw-4k-vs-node, -64k-vs-node, -1m-vs-node: the same run's ratio to a plain Node TCP
+//                   stream measured right beside it (less sensitive to load than MB/s)
 //
 // A program that reports: it never fails on a number.
 import { execFileSync, spawnSync } from "node:child_process";
@@ -46,6 +51,17 @@ const BENCHES = {
   "rpc-vs-node": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32"], re: /\| 32 B \| 1 \| (\d+) \|/, unit: "calls/s", better: "higher" },
   "rpc-4k-c64": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "4096"], re: /\| 4096 B \| 64 \| (\d+) \|/, unit: "calls/s", better: "higher" },
 };
+for (const [name, size, label] of [
+  ["4k", 4096, "4 KiB"],
+  ["64k", 65536, "64 KiB"],
+  ["1m", 1048576, "1 MiB"],
+]) {
+  // bench/tcp-vs-node.mjs's row: | write_bw 4 KiB | MB/s (avg) | ours | node | ours / node× | ...
+  const args = ["bench/tcp-vs-node.mjs", "--runs", "1", "--lat-iters", "0", "--sizes", String(size)];
+  const row = `\\| write_bw ${label} +\\| MB/s \\(avg\\) +\\| `;
+  BENCHES[`write-bw-${name}`] = { args, re: new RegExp(row + "([\\d.,]+) "), unit: "MB/s", better: "higher" };
+  BENCHES[`write-bw-${name}-vs-node`] = { args, re: new RegExp(row + "[\\d.,]+ +\\| [\\d.,]+ +\\| ([\\d.]+)×"), unit: "× node", better: "higher" };
+}
 const chosen = String(opt("bench", "rpc-cpu,send-inprocess")).split(",");
 for (const b of chosen) if (!BENCHES[b]) throw new Error(`unknown benchmark ${b} (known: ${Object.keys(BENCHES).join(", ")})`);
 
@@ -112,5 +128,7 @@ console.log(`# A/B: head ${head}${dirty ? " + uncommitted changes" : ""} vs base
 console.log(`# command: node bench/ab.mjs ${argv.join(" ")}`);
 console.log("| benchmark | unit | base median (min-max) | head median (min-max) | head/base | better |");
 console.log("|---|---|---|---|---|---|");
-const fmt = (xs, m) => `${+m.toFixed(1)} (${+Math.min(...xs).toFixed(1)}-${+Math.max(...xs).toFixed(1)})`;
+// One decimal, or three significant digits for small figures (ratios to node are around 1).
+const num = (x) => (Math.abs(x) < 10 ? +x.toPrecision(3) : +x.toFixed(1));
+const fmt = (xs, m) => `${num(m)} (${num(Math.min(...xs))}-${num(Math.max(...xs))})`;
 for (const r of rows) console.log(`| ${r.name} | ${r.unit} | ${fmt(r.base, r.mb)} | ${fmt(r.head, r.mh)} | ${r.ratio.toFixed(3)} | ${r.better} |`);

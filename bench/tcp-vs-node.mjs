@@ -7,7 +7,9 @@
 //   latency:   `async-rdma perf write_lat` (and send_lat, write_lat --write_imm)
 //              vs a Node TCP ping-pong (bench/lib/node-tcp.mjs pp), half RTT
 //
-//   node bench/tcp-vs-node.mjs [--runs 3] [--netns] [--json] [--sizes 64,4096,65536,1048576]
+//   node bench/tcp-vs-node.mjs [--runs 3] [--netns] [--json] [--sizes 64,4096,65536,1048576] [--lat-iters N]
+//
+// --lat-iters 0 skips the latency tests (bandwidth only; bench/ab.mjs's write-bw entries).
 //
 // --netns runs each server in one network namespace and each client in
 // another, joined by veth (bench/netns.sh; needs root). Without it: loopback.
@@ -23,6 +25,7 @@ try {
   usageExit(e.message, USAGE);
 }
 if (!(o.runs >= 1)) usageExit("--runs must be ≥ 1", USAGE);
+if (!(o["lat-iters"] >= 0)) usageExit("--lat-iters must be ≥ 0", USAGE);
 requireBuild();
 const SIZES = o.sizes.split(",").map(Number);
 /** Same operation count on both sides, sized for ~0.2–2 s per run here. */
@@ -89,7 +92,7 @@ for (const size of SIZES) {
   results.push({ kind: "bw", what: `write_bw ${sizeLabel(size)}`, size, unit: "MB/s", higherIsBetter: true, ...r });
   console.error(`  bw ${sizeLabel(size)}: ours ${fmt(r.ours)} MB/s, node ${fmt(r.ref)} MB/s`);
 }
-for (const [test, extra] of [
+for (const [test, extra] of o["lat-iters"] === 0 ? [] : [
   ["write_lat", []],
   ["write_lat", ["--write_imm"]],
   ["send_lat", []],
