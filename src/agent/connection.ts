@@ -38,7 +38,7 @@ import {
 import type { LocalMr, RemoteMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { abortError } from "./queue.js";
-import { HDR, MsgType, encodeData, encodeMsg, toWire } from "./codec.js";
+import { HDR, MsgType, bytesOf, encodeData, encodeMsg, toWire } from "./codec.js";
 import type { Credits } from "./credits.js";
 import type { Inbox, Received } from "./inbox.js";
 import { newOp, type Op, type OpTable } from "./ops.js";
@@ -176,7 +176,7 @@ export class Connection implements PartsHost {
   sendCtrl(m: CtrlMsg, op: Op | null = null, credit = 1, ordered = false): void {
     const mem = this.headers.take();
     const a = mem.alloc;
-    const len = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), toWire(m));
+    const len = encodeMsg(bytesOf(a.buffer), toWire(m), a.bufOffset);
     const o = op ?? newOp("msg");
     o.hdr = mem;
     this.lanes.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: len, lkey: a.mr.lkey }] }, op: o, credit, hdr: mem, ordered });
@@ -248,7 +248,7 @@ export class Connection implements PartsHost {
       const op = newOp("msg");
       const hdr = this.headers.take();
       const a = hdr.alloc;
-      encodeData(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), len, imm);
+      encodeData(bytesOf(a.buffer), len, imm, a.bufOffset);
       op.hdr = hdr;
       lmr.mem.inflight++;
       op.mems.push(lmr.mem);

@@ -50,6 +50,8 @@ export interface Ended {
 export class OpTable {
   private slots: (Op | null)[] = [];
   private readonly freeSlots: number[] = [];
+  /** end()'s answer, reused: read it at once (destructure), never keep it. */
+  private readonly ended: Ended = { resolve: null, reject: null, then: null };
   /** One abort listener per signal, however many operations wait on it. */
   readonly aborts = new AbortWatch();
 
@@ -103,14 +105,20 @@ export class OpTable {
 
   /**
    * An operation ends (once): its memory is unpinned, its abort watch
-   * removed, and its continuations handed to the caller to run.
+   * removed, and its continuations handed to the caller to run (in a record
+   * reused by the next end(): take them out before anything else ends).
    */
   end(op: Op): Ended {
-    for (const m of op.mems) m.opDone();
-    op.mems = [];
+    const mems = op.mems;
+    for (let i = 0; i < mems.length; i++) mems[i]!.opDone();
+    mems.length = 0;
     op.unwatch?.();
     op.unwatch = null;
-    const r = { resolve: op.resolve, reject: op.reject, then: op.then };
+    // One record, reused: the caller takes the continuations out at once (nothing per operation).
+    const r = this.ended;
+    r.resolve = op.resolve;
+    r.reject = op.reject;
+    r.then = op.then;
     op.resolve = op.reject = op.then = null;
     return r;
   }

@@ -24,7 +24,8 @@ import { RdmaError } from "../errors.js";
 import { SendFlags, type SendWr } from "../transport/types.js";
 import { LocalMemory, type RemoteLease } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
-import { NEED, type Credits } from "./credits.js";
+import { NEED, type Credits, type QueuedWork } from "./credits.js";
+import { bytesOf, put32 } from "./codec.js";
 import type { Op } from "./ops.js";
 import type { Traffic } from "./stats.js";
 
@@ -71,7 +72,7 @@ export interface LanesHost {
   slot(op: Op): number;
   /** An operation none of whose work requests was posted: its resources freed, its promise rejected. */
   dropQueued(op: Op, parts: Pending[], err: unknown): void;
-  /** Posts one list (already counted in `outstanding`); `wasIdle`: nothing was outstanding before it. */
+  /** Posts one list (already counted in `outstanding`); `wasIdle`: nothing was outstanding before it. The list and its work requests are lent for the call only (reused after it): copy what is kept. */
   post(batch: SendWr[], wasIdle: boolean): void;
   /** Queues a CREDIT message (the credit rule asked for one). */
   sendCredits(): void;
@@ -101,12 +102,19 @@ export class HeaderPool {
   }
 }
 
+const LANE_CREDIT = 0;
+const LANE_INTERNAL = 1;
+const LANE_CTRL = 2;
+const LANE_DATA = 3;
+
 export class SendLanes {
   /** Work requests posted and not completed. */
   outstanding = 0;
   /** Slot ids of posted send WRs, in post order (completions arrive in this order). */
-  private fifo: number[] = [];
+  private fifo: number[] = new Array<number>(64).fill(0);
+  /** The fifo is a ring (nothing allocated per post): `fifoLen` ids from `fifoHead`, modulo its length (a power of two). */
   private fifoHead = 0;
+  private fifoLen = 0;
   private sinceSignal = 0;
   private creditQ: Pending[] = [];
   private rdQ: Pending[] = [];
@@ -153,43 +161,20 @@ export class SendLanes {
     this.flushScheduled = false;
     const failure = this.host.failure;
     if (failure && failure.code !== "CONNECTION_CLOSED") return;
-    const batch: SendWr[] = [];
+    // The list is reused from flush to flush (the provider copies what it keeps when posted); a
+    // flush re-entered from the post (a synchronous poll) finds none spare and makes its own.
+    const batch = this.spareBatch ?? [];
+    this.spareBatch = null;
     let room = this.sendDepth - this.outstanding;
-    const take = (q: Pending[], min: (p: Pending) => number): void => {
-      while (q.length > 0 && room > 0) {
-        const p = q[0]!;
-        if (p.lease?.revoked && !p.op.posted) {
-          this.dropRevoked(q, p.op);
-          continue;
-        }
-        const need = min(p);
-        if (!this.cr.canSend(need)) {
-          if (q === this.dataQ) this.traffic.stall();
-          break;
-        }
-        if (q === this.dataQ) this.traffic.stalled = false;
-        q.shift();
-        p.op.posted = true;
-        p.onPost?.();
-        this.cr.spend(need);
-        if (p.hdr !== null) {
-          // piggyback the receive buffers we re-posted since the last report
-          const a = p.hdr.alloc;
-          new DataView(a.buffer, a.bufOffset + 4, 4).setUint32(0, this.cr.report());
-        }
-        const id = this.host.slot(p.op);
-        p.wr.wrId = id;
-        this.fifo.push(id);
-        batch.push(p.wr);
-        room--;
-      }
-    };
-    take(this.creditQ, () => NEED.credit);
-    take(this.rdQ, () => 0);
-    take(this.ctrlQ, () => NEED.ctrl);
-    take(this.dataQ, dataNeed);
+    room = this.take(this.creditQ, LANE_CREDIT, batch, room);
+    room = this.take(this.rdQ, LANE_INTERNAL, batch, room);
+    room = this.take(this.ctrlQ, LANE_CTRL, batch, room);
+    this.take(this.dataQ, LANE_DATA, batch, room);
     if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
-    if (batch.length === 0) return;
+    if (batch.length === 0) {
+      this.spareBatch = batch;
+      return;
+    }
     // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
     // the send queue still drains (an unsignaled WR's slot is freed by the next signaled one).
     for (let i = 0; i < batch.length; i++) {
@@ -201,7 +186,46 @@ export class SendLanes {
     }
     const wasIdle = this.outstanding === 0;
     this.outstanding += batch.length;
-    this.host.post(batch, wasIdle);
+    try {
+      this.host.post(batch, wasIdle);
+    } finally {
+      batch.length = 0;
+      this.spareBatch = batch;
+    }
+  }
+
+  private spareBatch: SendWr[] | null = null;
+
+  /** Moves the head of `q` into `batch` while it has credits (the lane's need) and the send queue `room`; the room left. */
+  private take(q: Pending[], lane: number, batch: SendWr[], room: number): number {
+    while (q.length > 0 && room > 0) {
+      const p = q[0]!;
+      if (p.lease?.revoked && !p.op.posted) {
+        this.dropRevoked(q, p.op);
+        continue;
+      }
+      const need = lane === LANE_CREDIT ? NEED.credit : lane === LANE_INTERNAL ? 0 : lane === LANE_CTRL ? NEED.ctrl : dataNeed(p);
+      if (!this.cr.canSend(need)) {
+        if (lane === LANE_DATA) this.traffic.stall();
+        break;
+      }
+      if (lane === LANE_DATA) this.traffic.stalled = false;
+      q.shift();
+      p.op.posted = true;
+      p.onPost?.();
+      this.cr.spend(need);
+      if (p.hdr !== null) {
+        // piggyback the receive buffers we re-posted since the last report
+        const a = p.hdr.alloc;
+        put32(bytesOf(a.buffer), a.bufOffset + 4, this.cr.report());
+      }
+      const id = this.host.slot(p.op);
+      p.wr.wrId = id;
+      this.fifoPush(id);
+      batch.push(p.wr);
+      room--;
+    }
+    return room;
   }
 
   /**
@@ -209,15 +233,26 @@ export class SendLanes {
    * so silently completed) work request's slot id, or -1 once `id` is reached.
    */
   unsignaledBefore(id: number): number {
-    if (this.fifoHead < this.fifo.length) {
-      const sid = this.fifo[this.fifoHead++]!;
+    if (this.fifoLen > 0) {
+      const sid = this.fifo[this.fifoHead]!;
+      this.fifoHead = (this.fifoHead + 1) & (this.fifo.length - 1);
+      this.fifoLen--;
       if (sid !== id) return sid;
     }
-    if (this.fifoHead > 1024 && this.fifoHead * 2 > this.fifo.length) {
-      this.fifo = this.fifo.slice(this.fifoHead);
+    return -1;
+  }
+
+  private fifoPush(id: number): void {
+    let f = this.fifo;
+    if (this.fifoLen === f.length) {
+      // Full (more posted than ever before): twice the room, the ids kept in order.
+      const g = new Array<number>(f.length * 2).fill(0);
+      for (let i = 0; i < this.fifoLen; i++) g[i] = f[(this.fifoHead + i) & (f.length - 1)]!;
+      this.fifo = f = g;
       this.fifoHead = 0;
     }
-    return -1;
+    f[(this.fifoHead + this.fifoLen) & (f.length - 1)] = id;
+    this.fifoLen++;
   }
 
   /** Removes every queued work request of `op` (only from the data lane when `dataOnly`). */
@@ -240,8 +275,16 @@ export class SendLanes {
   /** Sends a CREDIT message when the credit rule (credits.ts) says nothing queued will carry the credits soon. */
   maybeSendCredits(): void {
     const d = this.dataQ;
-    if (this.cr.shouldSendCredits({ credit: this.creditQ.length > 0, ctrl: this.ctrlQ.length > 0, data: d.length > 0, dataHeadNeed: d.length > 0 ? dataNeed(d[0]!) : 0 })) this.host.sendCredits();
+    const q = this.queuedWork;
+    q.credit = this.creditQ.length > 0;
+    q.ctrl = this.ctrlQ.length > 0;
+    q.data = d.length > 0;
+    q.dataHeadNeed = d.length > 0 ? dataNeed(d[0]!) : 0;
+    if (this.cr.shouldSendCredits(q)) this.host.sendCredits();
   }
+
+  /** maybeSendCredits's question, reused (read at once, never kept). */
+  private readonly queuedWork: QueuedWork = { credit: false, ctrl: false, data: false, dataHeadNeed: 0 };
 
   /** Drops a queued one-sided operation (all its parts, at the head of `q`) whose remote region was revoked meanwhile. */
   private dropRevoked(q: Pending[], op: Op): void {
