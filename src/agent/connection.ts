@@ -179,7 +179,19 @@ export class Connection implements PartsHost {
     const len = encodeMsg(bytesOf(a.buffer), toWire(m), a.bufOffset);
     const o = op ?? newOp("msg");
     o.hdr = mem;
-    this.lanes.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: len, lkey: a.mr.lkey }] }, op: o, credit, hdr: mem, ordered });
+    // A record of the lanes' free list (send-lanes.ts: back once posted).
+    const r = this.lanes.record();
+    const h = r.one[0]!;
+    h.addr = a.addr;
+    h.length = len;
+    h.lkey = a.mr.lkey;
+    r.wr.sgList = r.one;
+    r.wr.flags = SendFlags.SIGNALED;
+    r.op = o;
+    r.credit = credit;
+    r.hdr = mem;
+    r.ordered = ordered;
+    this.lanes.enqueue(r);
   }
 
   /** MemoryHost: a control message posted after every operation queued before it. */
@@ -252,12 +264,28 @@ export class Connection implements PartsHost {
       op.hdr = hdr;
       lmr.mem.inflight++;
       op.mems.push(lmr.mem);
-      const sgl = [{ addr: a.addr, length: HDR, lkey: a.mr.lkey }];
-      if (len > 0) sgl.push(lmr.sge());
       const p = this.ops.track<void>(op, signal);
+      // A record of the lanes' free list (send-lanes.ts: back once posted).
+      const r = this.lanes.record();
+      const h = r.one[0]!;
+      h.addr = a.addr;
+      h.length = HDR;
+      h.lkey = a.mr.lkey;
+      if (len > 0) {
+        const d = r.two[1]!;
+        const m = lmr.mem.alloc;
+        d.addr = m.addr + lmr.start;
+        d.length = len;
+        d.lkey = m.mr.lkey;
+        r.wr.sgList = r.two;
+      } else r.wr.sgList = r.one;
       // Small messages go inline: the HCA takes the bytes from the WQE, no DMA read of the buffers.
-      const flags = HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0;
-      this.lanes.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags, sgList: sgl }, op, credit: 2, hdr });
+      r.wr.flags = HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0;
+      r.op = op;
+      r.credit = 2;
+      r.hdr = hdr;
+      r.ordered = false;
+      this.lanes.enqueue(r);
       this.countSent(len);
       return p;
     }

@@ -21,12 +21,12 @@
  * revoked while it waited is dropped locally, never posted.
  */
 import { RdmaError } from "../errors.js";
-import { SendFlags, type SendWr } from "../transport/types.js";
+import { SendFlags, WrOpcode, type Sge, type SendWr } from "../transport/types.js";
 import { LocalMemory, type RemoteLease } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { NEED, type Credits, type QueuedWork } from "./credits.js";
 import { bytesOf, put32 } from "./codec.js";
-import type { Op } from "./ops.js";
+import { newOp, type Op } from "./ops.js";
 import type { Traffic } from "./stats.js";
 
 /** Size of a control-message buffer (codec.ts messages fit in it). */
@@ -57,7 +57,26 @@ export interface Pending {
   onPost?: () => void;
   /** control buffer whose header gets the piggybacked credit count */
   hdr: LocalMemory | null;
+  /**
+   * A record of the lanes' own free list ({@link SendLanes.record}): taken
+   * back, with its work request and scatter/gather elements, as soon as the
+   * list it was posted in returns from postSend (the provider copies what it
+   * keeps then).
+   */
+  pooled?: SendRecord;
 }
+
+/** A two-sided SEND's record, reused: its work request and its header (and payload) elements. */
+export interface SendRecord extends Pending {
+  wr: SendWr & { sgList: Sge[] };
+  /** The header's element, alone (a control message, an empty DATA message)… */
+  one: Sge[];
+  /** …or followed by the payload's. */
+  two: Sge[];
+}
+
+/** Placeholder operation of a free record (so it holds on to nothing). */
+const NO_OP = newOp("msg");
 
 /** Credits the head of the data lane needs: a data message, an ordered control message, or one-sided work (none). */
 export function dataNeed(p: Pending): number {
@@ -165,14 +184,17 @@ export class SendLanes {
     // flush re-entered from the post (a synchronous poll) finds none spare and makes its own.
     const batch = this.spareBatch ?? [];
     this.spareBatch = null;
+    const taken = this.spareTaken ?? [];
+    this.spareTaken = null;
     let room = this.sendDepth - this.outstanding;
-    room = this.take(this.creditQ, LANE_CREDIT, batch, room);
-    room = this.take(this.rdQ, LANE_INTERNAL, batch, room);
-    room = this.take(this.ctrlQ, LANE_CTRL, batch, room);
-    this.take(this.dataQ, LANE_DATA, batch, room);
+    room = this.take(this.creditQ, LANE_CREDIT, batch, taken, room);
+    room = this.take(this.rdQ, LANE_INTERNAL, batch, taken, room);
+    room = this.take(this.ctrlQ, LANE_CTRL, batch, taken, room);
+    this.take(this.dataQ, LANE_DATA, batch, taken, room);
     if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
     if (batch.length === 0) {
       this.spareBatch = batch;
+      this.spareTaken = taken;
       return;
     }
     // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
@@ -191,13 +213,44 @@ export class SendLanes {
     } finally {
       batch.length = 0;
       this.spareBatch = batch;
+      // Posted (or refused: the connection failed): the records are free again.
+      for (let i = 0; i < taken.length; i++) this.giveBack(taken[i]!);
+      taken.length = 0;
+      this.spareTaken = taken;
     }
   }
 
   private spareBatch: SendWr[] | null = null;
+  private spareTaken: SendRecord[] | null = null;
+  /** Free SEND records (at most the send depth). */
+  private readonly records: SendRecord[] = [];
+
+  /**
+   * A SEND record for the caller to fill (op, credit, hdr, the elements'
+   * fields, `wr.sgList` = `one` or `two`, `wr.flags`) and enqueue. It comes
+   * back to the free list once posted; a record dropped unposted is left to
+   * the garbage collector.
+   */
+  record(): SendRecord {
+    const r = this.records.pop();
+    if (r !== undefined) return r;
+    const h: Sge = { addr: 0, length: 0, lkey: 0 };
+    const d: Sge = { addr: 0, length: 0, lkey: 0 };
+    const one = [h];
+    const rec: SendRecord = { wr: { wrId: 0, opcode: WrOpcode.SEND, flags: 0, sgList: one }, op: NO_OP, credit: 0, hdr: null, ordered: false, one, two: [h, d] };
+    rec.pooled = rec;
+    return rec;
+  }
+
+  private giveBack(r: SendRecord): void {
+    r.op = NO_OP;
+    r.hdr = null;
+    r.wr.wrId = 0;
+    if (this.records.length < this.sendDepth) this.records.push(r);
+  }
 
   /** Moves the head of `q` into `batch` while it has credits (the lane's need) and the send queue `room`; the room left. */
-  private take(q: Pending[], lane: number, batch: SendWr[], room: number): number {
+  private take(q: Pending[], lane: number, batch: SendWr[], taken: SendRecord[], room: number): number {
     while (q.length > 0 && room > 0) {
       const p = q[0]!;
       if (p.lease?.revoked && !p.op.posted) {
@@ -223,6 +276,7 @@ export class SendLanes {
       p.wr.wrId = id;
       this.fifoPush(id);
       batch.push(p.wr);
+      if (p.pooled !== undefined) taken.push(p.pooled);
       room--;
     }
     return room;
