@@ -257,13 +257,14 @@ export class Connection implements PartsHost {
     if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
     if (len > 2 ** 32 - 1) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message is longer than the protocol carries (2^32 - 1)`);
     if (len <= this.peer.eagerMax) {
-      const op = newOp("msg");
+      // Without a signal nothing but its slot and its record refers to the operation: reused.
+      const op = signal === undefined ? this.ops.reusableOp() : newOp("msg");
       const hdr = this.headers.take();
       const a = hdr.alloc;
       encodeData(bytesOf(a.buffer), len, imm, a.bufOffset);
       op.hdr = hdr;
       lmr.mem.inflight++;
-      op.mems.push(lmr.mem);
+      op.mem = lmr.mem;
       const p = this.ops.track<void>(op, signal);
       // A record of the lanes' free list (send-lanes.ts: back once posted).
       const r = this.lanes.record();
@@ -431,6 +432,7 @@ export class Connection implements PartsHost {
       if (then) then(false);
       reject?.(err);
     }
+    if (op.reusable) this.ops.reuse(op);
   }
 
   private failFromStatus(status: number, what: string): RdmaError {

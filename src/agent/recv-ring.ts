@@ -45,6 +45,8 @@ export class RecvRing {
   private readonly spare: LocalMemory[] = [];
   /** Receives re-posted while draining the CQ: posted as one list when the drain ends. */
   private batch: RecvWr[] = [];
+  /** Receives in `batch` (filled by index, never emptied: an emptied array drops its storage). */
+  private nBatch = 0;
   /** The other list, swapped in while one is posted (both reused: the provider copies at post time). */
   private spareBatch: RecvWr[] | null = [];
   /**
@@ -129,17 +131,19 @@ export class RecvRing {
   /** Re-posts one receive (batched while the completion queue drains). */
   repost(): void {
     if (this.host.ended()) return;
-    this.batch.push(this.newRecv());
+    this.batch[this.nBatch++] = this.newRecv();
     if (!this.host.draining()) this.postBatch();
   }
 
   /** Posts the batched receives (one postRecv), and only then counts them as credits to return. */
   postBatch(): void {
     const batch = this.batch;
-    const n = batch.length;
+    const n = this.nBatch;
     if (n === 0) return;
+    if (batch.length !== n) batch.length = n;
     this.batch = this.spareBatch ?? [];
     this.spareBatch = null;
+    this.nBatch = 0;
     try {
       if (this.host.ended()) {
         for (const r of batch) this.drop(r.wrId);
@@ -153,7 +157,6 @@ export class RecvRing {
         return;
       }
     } finally {
-      batch.length = 0;
       this.spareBatch = batch;
     }
     this.host.reposted(n);

@@ -75,6 +75,18 @@ export interface SendRecord extends Pending {
   two: Sge[];
 }
 
+/** One flush's lists: `n` work requests to post, `nr` of them from records to take back after. */
+interface FlushLists {
+  wrs: SendWr[];
+  n: number;
+  recs: SendRecord[];
+  nr: number;
+}
+
+function newLists(): FlushLists {
+  return { wrs: [], n: 0, recs: [], nr: 0 };
+}
+
 /** Placeholder operation of a free record (so it holds on to nothing). */
 const NO_OP = newOp("msg");
 
@@ -171,7 +183,7 @@ export class SendLanes {
     else this.dataQ.push(p);
     if (!this.flushScheduled) {
       this.flushScheduled = true;
-      queueMicrotask(() => this.flush());
+      queueMicrotask(this.flushTask);
     }
   }
 
@@ -180,50 +192,56 @@ export class SendLanes {
     this.flushScheduled = false;
     const failure = this.host.failure;
     if (failure && failure.code !== "CONNECTION_CLOSED") return;
-    // The list is reused from flush to flush (the provider copies what it keeps when posted); a
-    // flush re-entered from the post (a synchronous poll) finds none spare and makes its own.
-    const batch = this.spareBatch ?? [];
-    this.spareBatch = null;
-    const taken = this.spareTaken ?? [];
-    this.spareTaken = null;
-    let room = this.sendDepth - this.outstanding;
-    room = this.take(this.creditQ, LANE_CREDIT, batch, taken, room);
-    room = this.take(this.rdQ, LANE_INTERNAL, batch, taken, room);
-    room = this.take(this.ctrlQ, LANE_CTRL, batch, taken, room);
-    this.take(this.dataQ, LANE_DATA, batch, taken, room);
-    if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
-    if (batch.length === 0) {
-      this.spareBatch = batch;
-      this.spareTaken = taken;
-      return;
-    }
-    // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
-    // the send queue still drains (an unsignaled WR's slot is freed by the next signaled one).
-    for (let i = 0; i < batch.length; i++) {
-      const wr = batch[i]!;
-      if (++this.sinceSignal >= SIGNAL_EVERY || i === batch.length - 1) {
-        wr.flags = (wr.flags ?? 0) | SendFlags.SIGNALED;
-        this.sinceSignal = 0;
-      } else wr.flags = (wr.flags ?? 0) & ~SendFlags.SIGNALED;
-    }
-    const wasIdle = this.outstanding === 0;
-    this.outstanding += batch.length;
+    // The lists are reused from flush to flush (the provider copies what it keeps when posted),
+    // filled by index and never emptied (an emptied array drops its storage): nothing is
+    // allocated per flush. A flush re-entered from inside one (the post's synchronous poll
+    // completes work and flushes again) makes its own.
+    const L = this.flushing ? newLists() : this.lists;
+    const was = this.flushing;
+    this.flushing = true;
     try {
-      this.host.post(batch, wasIdle);
+      L.n = 0;
+      L.nr = 0;
+      let room = this.sendDepth - this.outstanding;
+      room = this.take(this.creditQ, LANE_CREDIT, L, room);
+      room = this.take(this.rdQ, LANE_INTERNAL, L, room);
+      room = this.take(this.ctrlQ, LANE_CTRL, L, room);
+      this.take(this.dataQ, LANE_DATA, L, room);
+      if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
+      const n = L.n;
+      if (n === 0) return;
+      const batch = L.wrs;
+      // Exactly this flush's work requests (shortening an array keeps its storage).
+      if (batch.length !== n) batch.length = n;
+      // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
+      // the send queue still drains (an unsignaled WR's slot is freed by the next signaled one).
+      for (let i = 0; i < n; i++) {
+        const wr = batch[i]!;
+        if (++this.sinceSignal >= SIGNAL_EVERY || i === n - 1) {
+          wr.flags = (wr.flags ?? 0) | SendFlags.SIGNALED;
+          this.sinceSignal = 0;
+        } else wr.flags = (wr.flags ?? 0) & ~SendFlags.SIGNALED;
+      }
+      const wasIdle = this.outstanding === 0;
+      this.outstanding += n;
+      const nr = L.nr;
+      try {
+        this.host.post(batch, wasIdle);
+      } finally {
+        // Posted (or refused: the connection failed): the records are free again.
+        for (let i = 0; i < nr; i++) this.giveBack(L.recs[i]!);
+      }
     } finally {
-      batch.length = 0;
-      this.spareBatch = batch;
-      // Posted (or refused: the connection failed): the records are free again.
-      for (let i = 0; i < taken.length; i++) this.giveBack(taken[i]!);
-      taken.length = 0;
-      this.spareTaken = taken;
+      this.flushing = was;
     }
   }
 
-  private spareBatch: SendWr[] | null = null;
-  private spareTaken: SendRecord[] | null = null;
+  /** A flush is running (a nested one makes its own lists). */
+  private flushing = false;
+  private readonly lists: FlushLists = newLists();
   /** Free SEND records (at most the send depth). */
   private readonly records: SendRecord[] = [];
+  private readonly flushTask = (): void => this.flush();
 
   /**
    * A SEND record for the caller to fill (op, credit, hdr, the elements'
@@ -250,7 +268,7 @@ export class SendLanes {
   }
 
   /** Moves the head of `q` into `batch` while it has credits (the lane's need) and the send queue `room`; the room left. */
-  private take(q: Pending[], lane: number, batch: SendWr[], taken: SendRecord[], room: number): number {
+  private take(q: Pending[], lane: number, L: FlushLists, room: number): number {
     while (q.length > 0 && room > 0) {
       const p = q[0]!;
       if (p.lease?.revoked && !p.op.posted) {
@@ -275,8 +293,8 @@ export class SendLanes {
       const id = this.host.slot(p.op);
       p.wr.wrId = id;
       this.fifoPush(id);
-      batch.push(p.wr);
-      if (p.pooled !== undefined) taken.push(p.pooled);
+      L.wrs[L.n++] = p.wr;
+      if (p.pooled !== undefined) L.recs[L.nr++] = p.pooled;
       room--;
     }
     return room;

@@ -100,6 +100,25 @@ describe("issue 21 point 1: reused records never carry one message's data or wrI
     for (const r of inside) assert.ok(r !== b, "the record being posted was handed out inside its post");
   });
 
+  it("an operation is reused only once it settled, and only one taken for reuse (an eager SEND without a signal)", async () => {
+    const ops = new OpTable(() => {});
+    const a = ops.reusableOp();
+    const p = ops.track<void>(a, undefined);
+    ops.reuse(a); // still in flight: refused
+    const b = ops.reusableOp();
+    assert.notEqual(b, a, "an operation in flight was handed out again");
+    const { resolve } = ops.end(a);
+    resolve?.(undefined);
+    await p;
+    ops.reuse(a);
+    assert.equal(ops.reusableOp(), a, "a settled operation comes back (the reuse is real)");
+    const c = newOp("msg"); // made for a send with a signal, or any other operation
+    ops.track<void>(c, new AbortController().signal).catch(() => {});
+    ops.end(c).resolve?.(undefined);
+    ops.reuse(c);
+    assert.notEqual(ops.reusableOp(), c, "an operation not taken for reuse was reused");
+  });
+
   it(`many concurrent sends of random sizes, kinds and immediates, both ways at once: each arrives whole, once, in order, and each eager send settles in order [${PROVIDER}]`, () =>
     withApiPair(async ({ server, client }) => {
       const N = 1500;
@@ -124,7 +143,9 @@ describe("issue 21 point 1: reused records never carry one message's data or wrI
         const settled: number[] = [];
         const sends = msgs.map((m, i) => {
           const data = mrs[i] ?? pattern(m.size, m.seed);
-          const p = m.imm === undefined ? from.send(data) : from.sendWithImm(data, m.imm);
+          // Some with a signal (their operations are not reused), never aborted.
+          const opts = i % 7 === 0 ? { signal: new AbortController().signal } : undefined;
+          const p = m.imm === undefined ? from.send(data, opts) : from.sendWithImm(data, m.imm, opts);
           return p.then(() => void settled.push(i));
         });
         for (let i = 0; i < N; i++) {
