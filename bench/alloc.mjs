@@ -2,7 +2,7 @@
 // Heap allocated per message on the send/receive path, both sides in this
 // process (tcp provider), and where it is allocated:
 //
-//   node bench/alloc.mjs [--messages 20000] [--window 64|1] [--size 64] [--sites 25]
+//   node bench/alloc.mjs [--messages 20000] [--window 64|1] [--size 64] [--sites 25] [--cpu-runs 3] [--cpu-only]
 //
 // --window 64: the sender keeps 64 sends in flight (send-inprocess.mjs's
 // loop); --window 1: a ping-pong (send, the peer receives and answers).
@@ -10,7 +10,9 @@
 // after the previous one, over the measured window); the sites from a
 // sampling heap profile that keeps collected objects (inspector
 // HeapProfiler.startSampling), summed by allocating function and by layer
-// (dist/src/<layer>/). Sampled: a site's figure is an estimate (±10 %); the
+// (dist/src/<layer>/). Before the profiled pass, --cpu-runs passes measure
+// CPU µs per message (process.cpuUsage, both sides; steadier than a rate on
+// a busy machine); --cpu-only prints that alone, as JSON. Sampled: a site's figure is an estimate (±10 %); the
 // total from the GC profiler is exact up to the last GC's granularity.
 //
 // A program that reports: it never fails on a number.
@@ -69,6 +71,23 @@ const run = W === 1 ? pingpong : windowed;
 const perRun = W === 1 ? 2 : 1;
 await run(N); // warm-up: V8 compiles, pools fill
 
+// CPU per message (both sides, this process), without the profiler: --cpu-runs passes, median.
+const cpuRuns = Number(args["cpu-runs"] ?? 3);
+const cpu = [];
+for (let i = 0; i < cpuRuns; i++) {
+  const c0 = process.cpuUsage();
+  await run(N);
+  const d = process.cpuUsage(c0);
+  cpu.push((d.user + d.system) / (N * (W === 1 ? 2 : 1)));
+}
+cpu.sort((a, b) => a - b);
+if (args["cpu-only"] !== undefined) {
+  console.log(JSON.stringify({ window: W, size: SIZE, cpuUsPerMessage: cpu[cpu.length >> 1], min: cpu[0], max: cpu.at(-1), load: loadavg()[0] }));
+  await Promise.all([c.close(), s.close()]);
+  await listener.close();
+  process.exit(0);
+}
+
 const session = new inspector.Session();
 session.connect();
 const post = (m, p) => new Promise((res, rej) => session.post(m, p ?? {}, (e, r) => (e ? rej(e) : res(r))));
@@ -118,7 +137,7 @@ walk(profile.head, null);
 
 const per = (b) => (b / msgs).toFixed(0).padStart(6);
 console.log(`heap per message, ${W === 1 ? "ping-pong (2 messages per round trip)" : `window ${W}`}, ${SIZE} B, ${N * perRun} messages, both sides in one process (tcp); load ${loadavg().map((x) => x.toFixed(2)).join(" ")}`);
-console.log(`  GC profiler: ${per(alloc)} B/message (${g.statistics.length} GCs); sampled: ${per(sampled)} B/message`);
+console.log(`  GC profiler: ${per(alloc)} B/message (${g.statistics.length} GCs); sampled: ${per(sampled)} B/message; CPU ${cpu[cpu.length >> 1].toFixed(2)} µs/message (median of ${cpuRuns}, ${cpu[0].toFixed(2)}-${cpu.at(-1).toFixed(2)})`);
 console.log("by layer (sampled):");
 for (const [k, v] of [...layers].sort((a, b) => b[1] - a[1])) if (v / msgs >= 8) console.log(`  ${per(v)} B  ${k}`);
 console.log(`top ${SITES} sites (sampled):`);
