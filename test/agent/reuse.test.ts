@@ -9,7 +9,9 @@
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { SendFlags, type SendWr } from "../../src/transport/types.js";
+import { SendFlags, type MemoryRegion, type SendWr } from "../../src/transport/types.js";
+import { LocalMemory, LocalMr } from "../../src/memory/mr.js";
+import { Inbox } from "../../src/agent/inbox.js";
 import { Credits, NEED } from "../../src/agent/credits.js";
 import { OpTable, newOp } from "../../src/agent/ops.js";
 import { SendLanes, type SendRecord } from "../../src/agent/send-lanes.js";
@@ -52,6 +54,14 @@ function fill(lanes: SendLanes, addr: number): SendRecord {
   r.credit = 2;
   r.hdr = null;
   return r;
+}
+
+/** A one-byte message `tag` (memory of no pool). */
+function tagged(tag: number): LocalMr {
+  const buffer = new ArrayBuffer(1);
+  new Uint8Array(buffer)[0] = tag;
+  const mr = { pd: null, buffer, offset: 0, addr: 0, length: 1, lkey: 0, rkey: 0, access: 0, deregistered: false, deregister() {} } as unknown as MemoryRegion;
+  return new LocalMr(new LocalMemory(null, { mr, addr: 0, length: 1, buffer, bufOffset: 0, mrBufOffset: 0 }), 0, 1);
 }
 
 /** xorshift: sizes and kinds, the same every run. */
@@ -117,6 +127,24 @@ describe("issue 21 point 1: reused records never carry one message's data or wrI
     ops.end(c).resolve?.(undefined);
     ops.reuse(c);
     assert.notEqual(ops.reusableOp(), c, "an operation not taken for reuse was reused");
+  });
+
+  it("concurrent receives: each waiter gets its own message, in order, round after round (waiter and inbox records reused)", async () => {
+    const inbox = new Inbox({ repostRecv: () => {}, failed: () => null }, 16);
+    let tag = 0;
+    for (let round = 0; round < 4; round++) {
+      // 12 receives wait at once (both kinds), then 12 messages arrive, then 4 more wait for messages already there.
+      const waits = Array.from({ length: 12 }, (_, i) => (i % 2 === 0 ? inbox.receiveMr().then((mr) => ({ mr, imm: -1 })) : inbox.receive()));
+      const first = tag;
+      for (let i = 0; i < 16; i++) inbox.pushMessage(tagged(++tag), i % 3 === 0 ? tag : undefined);
+      const got = await Promise.all([...waits, ...Array.from({ length: 4 }, () => inbox.receive())]);
+      got.forEach(({ mr, imm }, i) => {
+        const t = first + i + 1;
+        assert.equal(mr.bytes[0], t & 0xff, `round ${round}, receive ${i}: its own message`);
+        if (imm !== -1) assert.equal(imm, (t - first - 1) % 3 === 0 ? t : undefined, `round ${round}, receive ${i}: its own immediate`);
+        mr.dispose();
+      });
+    }
   });
 
   it(`many concurrent sends of random sizes, kinds and immediates, both ways at once: each arrives whole, once, in order, and each eager send settles in order [${PROVIDER}]`, () =>
