@@ -37,12 +37,7 @@ interface Waiter {
   resolve(v: unknown): void;
   reject(e: unknown): void;
   mrOnly: boolean;
-  /** A wait without a signal: its record is reused once it settled (nothing else refers to it). */
-  reusable: boolean;
 }
-
-/** A free waiter record's continuations (it holds on to no settled promise). */
-const settled = (): void => {};
 
 /** What the inbox needs from its connection. */
 export interface InboxHost {
@@ -158,28 +153,10 @@ export class Inbox {
     if (head?.ready && this.waiters.length === 0) return Promise.resolve(this.takeHead(mrOnly));
     const failure = this.host.failed();
     if (failure) return Promise.reject(failure);
-    if (signal === undefined) {
-      // One executor for every wait, and waiter records reused (deliver): nothing per receive but its promise.
-      this.waitingMrOnly = mrOnly;
-      return new Promise(this.waitExecutor);
-    }
+    if (signal === undefined) return new Promise((resolve, reject) => this.waiters.push({ resolve, reject, mrOnly }));
     if (signal.aborted) return Promise.reject(abortError(signal));
-    return abortableWait<unknown>((w) => this.waiters.push({ resolve: w.resolve, reject: w.reject, mrOnly, reusable: false }), { signal, cleanup: this.unwait });
+    return abortableWait<unknown>((w) => this.waiters.push({ resolve: w.resolve, reject: w.reject, mrOnly }), { signal, cleanup: this.unwait });
   }
-
-  private waitingMrOnly = false;
-  /** Free waiter records (of waits without a signal: nothing else refers to them). */
-  private readonly freeWaiters: Waiter[] = [];
-  private readonly waitExecutor = (resolve: (v: unknown) => void, reject: (e: unknown) => void): void => {
-    const w = this.freeWaiters.pop();
-    if (w === undefined) this.waiters.push({ resolve, reject, mrOnly: this.waitingMrOnly, reusable: true });
-    else {
-      w.resolve = resolve;
-      w.reject = reject;
-      w.mrOnly = this.waitingMrOnly;
-      this.waiters.push(w);
-    }
-  };
 
   receiveWriteImm(signal?: AbortSignal): Promise<number> {
     const p = this.writeImms.take({ signal });
@@ -222,13 +199,7 @@ export class Inbox {
   private deliver(): void {
     while (this.waiters.length > 0 && this.incoming[0]?.ready) {
       const w = this.waiters.shift()!;
-      const resolve = w.resolve;
-      const v = this.takeHead(w.mrOnly);
-      if (w.reusable && this.freeWaiters.length < this.recvDepth) {
-        w.resolve = w.reject = settled;
-        this.freeWaiters.push(w);
-      }
-      resolve(v);
+      w.resolve(this.takeHead(w.mrOnly));
     }
   }
 

@@ -205,8 +205,7 @@ export class Poller {
 
   /** Something happened (an arrival): adaptive mode keeps spinning for a while. */
   touch(): void {
-    // Read by busy and adaptive polling only: an event-mode poller (every tcp one) skips the clock.
-    if (this.mode !== "event") this.lastActivity = performance.now();
+    this.lastActivity = performance.now();
   }
 
   pollNow(): void {
@@ -222,10 +221,9 @@ export class Poller {
 
   /** A list of `n` work requests was just posted, `outstanding` now in the send queue. */
   afterPost(n: number, outstanding: number): void {
-    if (this.mode === "event") return;
     this.lastActivity = performance.now();
     // In a back-off period the poller is armed (or already scheduled): no poll, no spin.
-    if (this.detector.inBackoff(this.lastActivity)) return;
+    if (this.mode === "event" || this.detector.inBackoff(this.lastActivity)) return;
     // Only when nothing else was outstanding (a request/response step): with a window in
     // flight the poll loop is already running and an extra poll per post only costs.
     if (outstanding === n && this.syncPolls < SYNC_POLLS) {

@@ -129,7 +129,7 @@ describe("issue 21 point 1: reused records never carry one message's data or wrI
     assert.notEqual(ops.reusableOp(), c, "an operation not taken for reuse was reused");
   });
 
-  it("concurrent receives: each waiter gets its own message, in order, round after round (waiter and inbox records reused)", async () => {
+  it("concurrent receives: each waiter gets its own message, in order, round after round (inbox records reused)", async () => {
     const inbox = new Inbox({ repostRecv: () => {}, failed: () => null }, 16);
     let tag = 0;
     for (let round = 0; round < 4; round++) {
