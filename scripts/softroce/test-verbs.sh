@@ -19,7 +19,7 @@ cd "$ROOT"
 LAYOUTS=""
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do LAYOUTS="$LAYOUTS $1"; shift; done
 [ "${1:-}" = "--" ] && shift
-FILTERS=${*:-"conformance api verbs/ fuzz/ rpc/ cli/cp net/"}
+FILTERS=${*:-"conformance api verbs/ fuzz/ rpc/ cli/cp net/ agent/reuse"}
 LAYOUTS=${LAYOUTS:-"single veth"}
 CM_FILTERS=${TEST_VERBS_CM:-"api/connection api/data api/peer-death api/rdmacm api/auth rpc/"}
 if ! ls build/Release/*.node >/dev/null 2>&1; then

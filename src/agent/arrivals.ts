@@ -18,7 +18,7 @@
  */
 import { LocalMr, type LocalMemory } from "../memory/mr.js";
 import { WcOpcode } from "../transport/types.js";
-import { HDR, MsgType, dataImm, dataLength, decodeMsg, fromWire, newMsg, type CtrlMessage, type Msg } from "./codec.js";
+import { HDR, MsgType, bytesOf, dataImm, dataLength, decodeMsg, fromWire, newMsg, type CtrlMessage, type Msg } from "./codec.js";
 import type { Credits } from "./credits.js";
 import type { Inbox } from "./inbox.js";
 import type { Lifecycle } from "./lifecycle.js";
@@ -86,7 +86,7 @@ export class Arrivals {
     }
     const a = mem.alloc;
     const m = this.msg;
-    const err = decodeMsg(new Uint8Array(a.buffer, a.bufOffset, a.length), byteLen, m);
+    const err = byteLen > a.length ? `a receive completed with ${byteLen} bytes into a ${a.length}-byte buffer` : decodeMsg(bytesOf(a.buffer), byteLen, m, a.bufOffset);
     if (err !== null) {
       mem.release();
       this.life.protocolError(err);

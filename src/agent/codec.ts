@@ -94,45 +94,58 @@ export function msgLength(type: number): number {
   return WITH_DESC.has(type) || WITH_HASH.has(type) ? HDR + DESC : HDR;
 }
 
-export function encodeMsg(dst: Uint8Array, m: Msg): number {
-  const dv = new DataView(dst.buffer, dst.byteOffset, dst.byteLength);
-  dv.setUint8(0, MAGIC);
-  dv.setUint8(1, VERSION);
-  dv.setUint8(2, m.type);
-  dv.setUint8(3, m.flags);
-  dv.setUint32(4, m.credits);
-  dv.setUint32(8, m.imm >>> 0);
-  dv.setUint32(12, m.token >>> 0);
-  dv.setUint32(16, m.a >>> 0);
-  dv.setUint32(20, m.b >>> 0);
+export function encodeMsg(dst: Uint8Array, m: Msg, off = 0): number {
+  // Byte writes, no DataView: nothing is allocated per message (issue 21 point 1).
+  dst[off] = MAGIC;
+  dst[off + 1] = VERSION;
+  dst[off + 2] = m.type;
+  dst[off + 3] = m.flags;
+  put32(dst, off + 4, m.credits);
+  put32(dst, off + 8, m.imm);
+  put32(dst, off + 12, m.token);
+  put32(dst, off + 16, m.a);
+  put32(dst, off + 20, m.b);
   if (WITH_DESC.has(m.type)) {
-    dv.setUint32(24, Math.floor(m.addr / 0x100000000));
-    dv.setUint32(28, m.addr >>> 0);
-    dv.setUint32(32, m.rkey >>> 0);
-    dv.setUint32(36, m.id >>> 0);
+    put32(dst, off + 24, Math.floor(m.addr / 0x100000000));
+    put32(dst, off + 28, m.addr);
+    put32(dst, off + 32, m.rkey);
+    put32(dst, off + 36, m.id);
     return HDR + DESC;
   }
   if (WITH_HASH.has(m.type)) {
     if (m.hash?.length !== DESC) throw new RangeError(`message type ${m.type} needs a ${DESC}-byte hash`);
-    dst.set(m.hash, HDR);
+    dst.set(m.hash, off + HDR);
     return HDR + DESC;
   }
   return HDR;
 }
 
-/** Decodes a received message of `len` bytes; a string names what is wrong with it. */
-export function decodeMsg(src: Uint8Array, len: number, out: Msg): string | null {
+/** Big-endian 32-bit store (the value taken modulo 2^32, as DataView.setUint32 does). */
+export function put32(d: Uint8Array, o: number, v: number): void {
+  v >>>= 0;
+  d[o] = v >>> 24;
+  d[o + 1] = v >>> 16;
+  d[o + 2] = v >>> 8;
+  d[o + 3] = v;
+}
+
+/** Big-endian 32-bit load. */
+function get32(s: Uint8Array, o: number): number {
+  return ((s[o]! << 24) | (s[o + 1]! << 16) | (s[o + 2]! << 8) | s[o + 3]!) >>> 0;
+}
+
+export function decodeMsg(src: Uint8Array, len: number, out: Msg, off = 0): string | null {
   if (len < HDR) return `control message of ${len} bytes is shorter than its ${HDR}-byte header`;
-  const dv = new DataView(src.buffer, src.byteOffset, len);
-  if (dv.getUint8(0) !== MAGIC) return `bad magic 0x${dv.getUint8(0).toString(16)}`;
-  if (dv.getUint8(1) !== VERSION) return `control protocol version ${dv.getUint8(1)} not supported (this side speaks ${VERSION})`;
-  out.type = dv.getUint8(2);
-  out.flags = dv.getUint8(3);
-  out.credits = dv.getUint32(4);
-  out.imm = dv.getUint32(8);
-  out.token = dv.getUint32(12);
-  out.a = dv.getUint32(16);
-  out.b = dv.getUint32(20);
+  if (off + len > src.length) throw new RangeError(`decodeMsg: ${len} bytes at ${off} are outside a ${src.length}-byte buffer`);
+  if (src[off] !== MAGIC) return `bad magic 0x${src[off]!.toString(16)}`;
+  if (src[off + 1] !== VERSION) return `control protocol version ${src[off + 1]} not supported (this side speaks ${VERSION})`;
+  out.type = src[off + 2]!;
+  out.flags = src[off + 3]!;
+  out.credits = get32(src, off + 4);
+  out.imm = get32(src, off + 8);
+  out.token = get32(src, off + 12);
+  out.a = get32(src, off + 16);
+  out.b = get32(src, off + 20);
   out.addr = 0;
   out.rkey = 0;
   out.id = 0;
@@ -142,14 +155,14 @@ export function decodeMsg(src: Uint8Array, len: number, out: Msg): string | null
   if (out.type !== MsgType.DATA && (out.flags & 1)) return "immediate flag on a control message";
   if (WITH_DESC.has(out.type)) {
     if (len !== HDR + DESC) return `message type ${out.type} must be ${HDR + DESC} bytes, got ${len}`;
-    const hi = dv.getUint32(24);
+    const hi = get32(src, off + 24);
     if (hi >= 0x200000) return "address beyond 2^53";
-    out.addr = hi * 0x100000000 + dv.getUint32(28);
-    out.rkey = dv.getUint32(32);
-    out.id = dv.getUint32(36);
+    out.addr = hi * 0x100000000 + get32(src, off + 28);
+    out.rkey = get32(src, off + 32);
+    out.id = get32(src, off + 36);
   } else if (WITH_HASH.has(out.type)) {
     if (len !== HDR + DESC) return `message type ${out.type} must be ${HDR + DESC} bytes, got ${len}`;
-    out.hash = src.slice(HDR, HDR + DESC);
+    out.hash = src.slice(off + HDR, off + HDR + DESC);
   } else if (out.type !== MsgType.DATA && len !== HDR) {
     return `message type ${out.type} must be ${HDR} bytes, got ${len}`;
   }
@@ -325,11 +338,32 @@ export function dataImm(m: Msg): number | undefined {
 }
 
 /** Encodes the DATA header for a `length`-byte payload (credits are filled in when posted). */
-export function encodeData(dst: Uint8Array, length: number, imm: number | undefined): number {
-  const m = newMsg();
-  m.type = MsgType.DATA;
-  m.flags = imm === undefined ? 0 : 1;
-  m.imm = imm ?? 0;
-  m.a = length;
-  return encodeMsg(dst, m);
+export function encodeData(dst: Uint8Array, length: number, imm: number | undefined, off = 0): number {
+  dst[off] = MAGIC;
+  dst[off + 1] = VERSION;
+  dst[off + 2] = MsgType.DATA;
+  dst[off + 3] = imm === undefined ? 0 : 1;
+  put32(dst, off + 4, 0);
+  put32(dst, off + 8, imm ?? 0);
+  put32(dst, off + 12, 0);
+  put32(dst, off + 16, length);
+  put32(dst, off + 20, 0);
+  return HDR;
+}
+
+const views = new WeakMap<ArrayBuffer, Uint8Array>();
+
+/**
+ * A Uint8Array over all of `buffer`, made once per ArrayBuffer (header and
+ * receive buffers are slices of a few slabs): the message path reads and
+ * writes headers without a view per message. A detached buffer's view is
+ * empty: made anew, so the constructor throws as it did.
+ */
+export function bytesOf(buffer: ArrayBuffer): Uint8Array {
+  let v = views.get(buffer);
+  if (v === undefined || v.length === 0) {
+    v = new Uint8Array(buffer);
+    views.set(buffer, v);
+  }
+  return v;
 }

@@ -38,7 +38,7 @@ import {
 import type { LocalMr, RemoteMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { abortError } from "./queue.js";
-import { HDR, MsgType, encodeData, encodeMsg, toWire } from "./codec.js";
+import { HDR, MsgType, bytesOf, encodeData, encodeMsg, toWire } from "./codec.js";
 import type { Credits } from "./credits.js";
 import type { Inbox, Received } from "./inbox.js";
 import { newOp, type Op, type OpTable } from "./ops.js";
@@ -176,10 +176,22 @@ export class Connection implements PartsHost {
   sendCtrl(m: CtrlMsg, op: Op | null = null, credit = 1, ordered = false): void {
     const mem = this.headers.take();
     const a = mem.alloc;
-    const len = encodeMsg(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), toWire(m));
+    const len = encodeMsg(bytesOf(a.buffer), toWire(m), a.bufOffset);
     const o = op ?? newOp("msg");
     o.hdr = mem;
-    this.lanes.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [{ addr: a.addr, length: len, lkey: a.mr.lkey }] }, op: o, credit, hdr: mem, ordered });
+    // A record of the lanes' free list (send-lanes.ts: back once posted).
+    const r = this.lanes.record();
+    const h = r.one[0]!;
+    h.addr = a.addr;
+    h.length = len;
+    h.lkey = a.mr.lkey;
+    r.wr.sgList = r.one;
+    r.wr.flags = SendFlags.SIGNALED;
+    r.op = o;
+    r.credit = credit;
+    r.hdr = mem;
+    r.ordered = ordered;
+    this.lanes.enqueue(r);
   }
 
   /** MemoryHost: a control message posted after every operation queued before it. */
@@ -245,19 +257,36 @@ export class Connection implements PartsHost {
     if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
     if (len > 2 ** 32 - 1) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message is longer than the protocol carries (2^32 - 1)`);
     if (len <= this.peer.eagerMax) {
-      const op = newOp("msg");
+      // Without a signal nothing but its slot and its record refers to the operation: reused.
+      const op = signal === undefined ? this.ops.reusableOp() : newOp("msg");
       const hdr = this.headers.take();
       const a = hdr.alloc;
-      encodeData(new Uint8Array(a.buffer, a.bufOffset, CTRL_BUF), len, imm);
+      encodeData(bytesOf(a.buffer), len, imm, a.bufOffset);
       op.hdr = hdr;
       lmr.mem.inflight++;
-      op.mems.push(lmr.mem);
-      const sgl = [{ addr: a.addr, length: HDR, lkey: a.mr.lkey }];
-      if (len > 0) sgl.push(lmr.sge());
+      op.mem = lmr.mem;
       const p = this.ops.track<void>(op, signal);
+      // A record of the lanes' free list (send-lanes.ts: back once posted).
+      const r = this.lanes.record();
+      const h = r.one[0]!;
+      h.addr = a.addr;
+      h.length = HDR;
+      h.lkey = a.mr.lkey;
+      if (len > 0) {
+        const d = r.two[1]!;
+        const m = lmr.mem.alloc;
+        d.addr = m.addr + lmr.start;
+        d.length = len;
+        d.lkey = m.mr.lkey;
+        r.wr.sgList = r.two;
+      } else r.wr.sgList = r.one;
       // Small messages go inline: the HCA takes the bytes from the WQE, no DMA read of the buffers.
-      const flags = HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0;
-      this.lanes.enqueue({ wr: { wrId: 0, opcode: WrOpcode.SEND, flags, sgList: sgl }, op, credit: 2, hdr });
+      r.wr.flags = HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0;
+      r.op = op;
+      r.credit = 2;
+      r.hdr = hdr;
+      r.ordered = false;
+      this.lanes.enqueue(r);
       this.countSent(len);
       return p;
     }
@@ -403,6 +432,7 @@ export class Connection implements PartsHost {
       if (then) then(false);
       reject?.(err);
     }
+    if (op.reusable) this.ops.reuse(op);
   }
 
   private failFromStatus(status: number, what: string): RdmaError {

@@ -89,7 +89,13 @@ export class Inbox {
 
   /** A whole message arrived (eager). */
   pushMessage(mr: LocalMr, imm: number | undefined): void {
-    this.incoming.push({ ready: true, mr, imm, rndv: null });
+    // An eager message's record is only ever in `incoming`: records are reused (takeHead).
+    const e = this.freeEntries.pop();
+    if (e !== undefined) {
+      e.mr = mr;
+      e.imm = imm;
+      this.incoming.push(e);
+    } else this.incoming.push({ ready: true, mr, imm, rndv: null });
     this.heldMsgs++;
     this.repostOrHold();
     this.deliver();
@@ -144,10 +150,7 @@ export class Inbox {
 
   private next(signal: AbortSignal | undefined, mrOnly: boolean): Promise<unknown> {
     const head = this.incoming[0];
-    if (head?.ready && this.waiters.length === 0) {
-      const r = this.takeHead();
-      return Promise.resolve(mrOnly ? r.mr : r);
-    }
+    if (head?.ready && this.waiters.length === 0) return Promise.resolve(this.takeHead(mrOnly));
     const failure = this.host.failed();
     if (failure) return Promise.reject(failure);
     if (signal === undefined) return new Promise((resolve, reject) => this.waiters.push({ resolve, reject, mrOnly }));
@@ -166,7 +169,11 @@ export class Inbox {
     if (i >= 0) this.waiters.splice(i, 1);
   };
 
-  private takeHead(): Received {
+  /** Free records of eager messages (at most the receive depth). */
+  private readonly freeEntries: Incoming[] = [];
+
+  /** Takes the head message: its memory (`mrOnly`), or the message with its immediate. */
+  private takeHead(mrOnly: boolean): LocalMr | Received {
     const head = this.incoming.shift()!;
     this.heldMsgs--;
     // Received memory outlives its connection: the pool moves it out instead of freeing it
@@ -176,16 +183,23 @@ export class Inbox {
     mem.userHeld = true;
     if (mem.pool !== null) mem.pool.keep(mem);
     else mem.releaseCharge();
+    const mr = head.mr!;
+    const imm = head.imm;
+    if (head.rndv === null) {
+      // An eager message's record: nobody else holds it (a rendezvous record is the rendezvous's too).
+      head.mr = null;
+      head.imm = undefined;
+      if (this.freeEntries.length < this.recvDepth) this.freeEntries.push(head);
+    }
     this.repostHeld();
-    return { mr: head.mr!, imm: head.imm };
+    return mrOnly ? mr : { mr, imm };
   }
 
   /** Hands ready messages at the head to waiting receivers, in order. */
   private deliver(): void {
     while (this.waiters.length > 0 && this.incoming[0]?.ready) {
       const w = this.waiters.shift()!;
-      const r = this.takeHead();
-      w.resolve(w.mrOnly ? r.mr : r);
+      w.resolve(this.takeHead(w.mrOnly));
     }
   }
 

@@ -101,7 +101,7 @@ export class OneSided {
     if (lmr.length > rmr.length) throw new RdmaError("OUT_OF_RANGE", `write of ${lmr.length} bytes into a ${rmr.length}-byte remote region`);
     const op = newOp("write");
     lmr.mem.inflight++;
-    op.mems.push(lmr.mem);
+    op.mem = lmr.mem;
     const p = this.ops.track<void>(op, signal);
     this.transfer(op, imm === undefined ? WrOpcode.RDMA_WRITE : WrOpcode.RDMA_WRITE_WITH_IMM, lmr, rmr.addr, rmr.rkey, imm, imm === undefined ? 0 : 2, false, rmr.lease);
     return p;
@@ -115,7 +115,7 @@ export class OneSided {
     if (lmr.length > rmr.length) throw new RdmaError("OUT_OF_RANGE", `read of ${lmr.length} bytes from a ${rmr.length}-byte remote region`);
     const op = newOp("read");
     lmr.mem.inflight++;
-    op.mems.push(lmr.mem);
+    op.mem = lmr.mem;
     const p = this.ops.track<void>(op, signal);
     this.transfer(op, WrOpcode.RDMA_READ, lmr, rmr.addr, rmr.rkey, undefined, 0, false, rmr.lease);
     return p;

@@ -20,8 +20,8 @@ export interface Op {
   kind: OpKind;
   resolve: ((v: unknown) => void) | null;
   reject: ((e: unknown) => void) | null;
-  /** Memory kept alive while the op is in flight. */
-  mems: LocalMemory[];
+  /** Memory kept alive while the op is in flight (an operation uses at most one region). */
+  mem: LocalMemory | null;
   /** A control-message buffer to free on completion. */
   hdr: LocalMemory | null;
   /** atomics: where the old value lands. */
@@ -34,10 +34,16 @@ export interface Op {
   parts: number;
   /** Some work request of it reached the send queue (an abort can no longer recall it). */
   posted: boolean;
+  /**
+   * From the table's free list ({@link OpTable.reusableOp}): an eager SEND
+   * without an abort signal, which nothing but its slot and its queued record
+   * refers to; its completion gives it back ({@link OpTable.reuse}).
+   */
+  reusable: boolean;
 }
 
 export function newOp(kind: OpKind): Op {
-  return { kind, resolve: null, reject: null, mems: [], hdr: null, result: null, then: null, unwatch: null, parts: 1, posted: false };
+  return { kind, resolve: null, reject: null, mem: null, hdr: null, result: null, then: null, unwatch: null, parts: 1, posted: false, reusable: false };
 }
 
 /** The continuations of an operation that ended, for the caller to run. */
@@ -47,9 +53,14 @@ export interface Ended {
   then: Op["then"];
 }
 
+/** Free operations kept for reuse. */
+const FREE_OPS = 1024;
+
 export class OpTable {
   private slots: (Op | null)[] = [];
   private readonly freeSlots: number[] = [];
+  /** end()'s answer, reused: read it at once (destructure), never keep it. */
+  private readonly ended: Ended = { resolve: null, reject: null, then: null };
   /** One abort listener per signal, however many operations wait on it. */
   readonly aborts = new AbortWatch();
 
@@ -89,28 +100,68 @@ export class OpTable {
    * long as the operation (`end`).
    */
   track<T>(op: Op, signal: AbortSignal | undefined): Promise<T> {
-    return new Promise<T>((resolve, reject) => {
-      op.resolve = resolve as (v: unknown) => void;
-      op.reject = reject;
-      if (signal) {
-        op.unwatch = this.aborts.add(signal, () => {
-          if (op.posted) return; // settles with its completion
-          this.onAbort(op, abortError(signal));
-        });
-      }
-    });
+    // One executor for every operation (no closure per operation): it runs synchronously, here.
+    this.tracking = op;
+    const p = new Promise<T>(this.executor);
+    this.tracking = null;
+    if (signal) {
+      op.unwatch = this.aborts.add(signal, () => {
+        if (op.posted) return; // settles with its completion
+        this.onAbort(op, abortError(signal));
+      });
+    }
+    return p;
+  }
+
+  private tracking: Op | null = null;
+  private readonly executor = (resolve: (v: never) => void, reject: (e: unknown) => void): void => {
+    const op = this.tracking!;
+    op.resolve = resolve as (v: unknown) => void;
+    op.reject = reject;
+  };
+
+  /** Free operations for eager SENDs without a signal (at most FREE_OPS). */
+  private readonly freeOps: Op[] = [];
+
+  /** An operation for an eager SEND that has no abort signal: from the free list, or new. */
+  reusableOp(): Op {
+    const op = this.freeOps.pop() ?? newOp("msg");
+    op.reusable = true;
+    return op;
+  }
+
+  /**
+   * A reusable operation settled (its completion ran its continuations): back
+   * to the free list. Nothing else refers to it then: its slot was taken, its
+   * record given back when posted, and it never had an abort listener.
+   */
+  reuse(op: Op): void {
+    if (!op.reusable || op.unwatch !== null || op.resolve !== null || op.reject !== null || op.then !== null) return;
+    op.reusable = false;
+    op.hdr = null;
+    op.result = null;
+    op.mem = null;
+    op.parts = 1;
+    op.posted = false;
+    if (this.freeOps.length < FREE_OPS) this.freeOps.push(op);
   }
 
   /**
    * An operation ends (once): its memory is unpinned, its abort watch
-   * removed, and its continuations handed to the caller to run.
+   * removed, and its continuations handed to the caller to run (in a record
+   * reused by the next end(): take them out before anything else ends).
    */
   end(op: Op): Ended {
-    for (const m of op.mems) m.opDone();
-    op.mems = [];
+    const mem = op.mem;
+    op.mem = null;
+    mem?.opDone();
     op.unwatch?.();
     op.unwatch = null;
-    const r = { resolve: op.resolve, reject: op.reject, then: op.then };
+    // One record, reused: the caller takes the continuations out at once (nothing per operation).
+    const r = this.ended;
+    r.resolve = op.resolve;
+    r.reject = op.reject;
+    r.then = op.then;
     op.resolve = op.reject = op.then = null;
     return r;
   }

@@ -46,6 +46,18 @@ export class RecvRing {
   private readonly spare: LocalMemory[] = [];
   /** Receives re-posted while draining the CQ: posted as one list when the drain ends. */
   private batch: RecvWr[] = [];
+  /** Receives in `batch` (filled by index, never emptied: an emptied array drops its storage). */
+  private nBatch = 0;
+  /** The other list, swapped in while one is posted (both reused: the provider copies at post time). */
+  private spareBatch: RecvWr[] | null = [];
+  /**
+   * Each buffer's work request, made once and reused at every post (the
+   * provider copies what it keeps then): a buffer is posted at most once at a
+   * time, so its record is never in two lists.
+   */
+  private readonly wrs = new WeakMap<Allocation, RecvWr>();
+  /** The operation of every posted receive: its slot says "a receive" (its buffer is in `posted`), nothing more. */
+  private readonly recvOp = newOp("recv");
   /** Buffers that came back from the user and were re-posted (stats). */
   recycled = 0;
 
@@ -73,7 +85,7 @@ export class RecvRing {
   /** The ring grows by `n` receives (credits.ts decides when): posted like re-posts, and reported as credits once posted. */
   grow(n: number): void {
     if (this.host.ended()) return;
-    for (let i = 0; i < n; i++) this.batch.push(this.newRecv());
+    for (let i = 0; i < n; i++) this.batch[this.nBatch++] = this.newRecv();
     if (!this.host.draining()) this.postBatch();
   }
 
@@ -107,36 +119,55 @@ export class RecvRing {
       mem = new LocalMemory(this.pool, this.pool.alloc(HDR + this.eagerMax));
       mem.recycle = this.recycle;
     }
-    const id = this.ops.slot(newOp("recv"));
+    const id = this.ops.slot(this.recvOp);
     this.posted.set(id, mem);
     const a = mem.alloc;
-    return { wrId: id, sgList: [{ addr: a.addr, length: a.length, lkey: a.mr.lkey }] };
+    let wr = this.wrs.get(a);
+    if (wr === undefined) {
+      wr = { wrId: id, sgList: [{ addr: a.addr, length: a.length, lkey: a.mr.lkey }] };
+      this.wrs.set(a, wr);
+      return wr;
+    }
+    wr.wrId = id;
+    const sge = wr.sgList[0]!;
+    sge.addr = a.addr;
+    sge.length = a.length;
+    sge.lkey = a.mr.lkey;
+    return wr;
   }
 
   /** Re-posts one receive (batched while the completion queue drains). */
   repost(): void {
     if (this.host.ended()) return;
-    this.batch.push(this.newRecv());
+    this.batch[this.nBatch++] = this.newRecv();
     if (!this.host.draining()) this.postBatch();
   }
 
   /** Posts the batched receives (one postRecv), and only then counts them as credits to return. */
   postBatch(): void {
     const batch = this.batch;
-    if (batch.length === 0) return;
-    this.batch = [];
-    if (this.host.ended()) {
-      for (const r of batch) this.drop(r.wrId);
-      return;
-    }
+    const n = this.nBatch;
+    if (n === 0) return;
+    if (batch.length !== n) batch.length = n;
+    this.batch = this.spareBatch ?? [];
+    this.spareBatch = null;
+    this.nBatch = 0;
     try {
-      this.qp.postRecv(batch);
-    } catch (e) {
-      for (const r of batch) this.drop(r.wrId);
-      this.host.fail(e instanceof RdmaError ? e : new RdmaError("DEVICE", `postRecv failed: ${(e as Error).message}`, { cause: e }));
-      return;
+      if (this.host.ended()) {
+        for (const r of batch) this.drop(r.wrId);
+        return;
+      }
+      try {
+        this.qp.postRecv(batch);
+      } catch (e) {
+        for (const r of batch) this.drop(r.wrId);
+        this.host.fail(e instanceof RdmaError ? e : new RdmaError("DEVICE", `postRecv failed: ${(e as Error).message}`, { cause: e }));
+        return;
+      }
+    } finally {
+      this.spareBatch = batch;
     }
-    this.host.reposted(batch.length);
+    this.host.reposted(n);
   }
 
   /** A receive that was never posted: free its slot and buffer. */

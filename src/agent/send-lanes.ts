@@ -21,11 +21,12 @@
  * revoked while it waited is dropped locally, never posted.
  */
 import { RdmaError } from "../errors.js";
-import { SendFlags, type SendWr } from "../transport/types.js";
+import { SendFlags, WrOpcode, type Sge, type SendWr } from "../transport/types.js";
 import { LocalMemory, type RemoteLease } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
-import { NEED, type Credits } from "./credits.js";
-import type { Op } from "./ops.js";
+import { NEED, type Credits, type QueuedWork } from "./credits.js";
+import { bytesOf, put32 } from "./codec.js";
+import { newOp, type Op } from "./ops.js";
 import type { Traffic } from "./stats.js";
 
 /** Size of a control-message buffer (codec.ts messages fit in it). */
@@ -56,7 +57,38 @@ export interface Pending {
   onPost?: () => void;
   /** control buffer whose header gets the piggybacked credit count */
   hdr: LocalMemory | null;
+  /**
+   * A record of the lanes' own free list ({@link SendLanes.record}): taken
+   * back, with its work request and scatter/gather elements, as soon as the
+   * list it was posted in returns from postSend (the provider copies what it
+   * keeps then).
+   */
+  pooled?: SendRecord;
 }
+
+/** A two-sided SEND's record, reused: its work request and its header (and payload) elements. */
+export interface SendRecord extends Pending {
+  wr: SendWr & { sgList: Sge[] };
+  /** The header's element, alone (a control message, an empty DATA message)… */
+  one: Sge[];
+  /** …or followed by the payload's. */
+  two: Sge[];
+}
+
+/** One flush's lists: `n` work requests to post, `nr` of them from records to take back after. */
+interface FlushLists {
+  wrs: SendWr[];
+  n: number;
+  recs: SendRecord[];
+  nr: number;
+}
+
+function newLists(): FlushLists {
+  return { wrs: [], n: 0, recs: [], nr: 0 };
+}
+
+/** Placeholder operation of a free record (so it holds on to nothing). */
+const NO_OP = newOp("msg");
 
 /** Credits the head of the data lane needs: a data message, an ordered control message, or one-sided work (none). */
 export function dataNeed(p: Pending): number {
@@ -71,7 +103,7 @@ export interface LanesHost {
   slot(op: Op): number;
   /** An operation none of whose work requests was posted: its resources freed, its promise rejected. */
   dropQueued(op: Op, parts: Pending[], err: unknown): void;
-  /** Posts one list (already counted in `outstanding`); `wasIdle`: nothing was outstanding before it. */
+  /** Posts one list (already counted in `outstanding`); `wasIdle`: nothing was outstanding before it. The list and its work requests are lent for the call only (reused after it): copy what is kept. */
   post(batch: SendWr[], wasIdle: boolean): void;
   /** Queues a CREDIT message (the credit rule asked for one). */
   sendCredits(): void;
@@ -101,12 +133,19 @@ export class HeaderPool {
   }
 }
 
+const LANE_CREDIT = 0;
+const LANE_INTERNAL = 1;
+const LANE_CTRL = 2;
+const LANE_DATA = 3;
+
 export class SendLanes {
   /** Work requests posted and not completed. */
   outstanding = 0;
   /** Slot ids of posted send WRs, in post order (completions arrive in this order). */
-  private fifo: number[] = [];
+  private fifo: number[] = new Array<number>(64).fill(0);
+  /** The fifo is a ring (nothing allocated per post): `fifoLen` ids from `fifoHead`, modulo its length (a power of two). */
   private fifoHead = 0;
+  private fifoLen = 0;
   private sinceSignal = 0;
   private creditQ: Pending[] = [];
   private rdQ: Pending[] = [];
@@ -144,7 +183,7 @@ export class SendLanes {
     else this.dataQ.push(p);
     if (!this.flushScheduled) {
       this.flushScheduled = true;
-      queueMicrotask(() => this.flush());
+      queueMicrotask(this.flushTask);
     }
   }
 
@@ -153,55 +192,112 @@ export class SendLanes {
     this.flushScheduled = false;
     const failure = this.host.failure;
     if (failure && failure.code !== "CONNECTION_CLOSED") return;
-    const batch: SendWr[] = [];
-    let room = this.sendDepth - this.outstanding;
-    const take = (q: Pending[], min: (p: Pending) => number): void => {
-      while (q.length > 0 && room > 0) {
-        const p = q[0]!;
-        if (p.lease?.revoked && !p.op.posted) {
-          this.dropRevoked(q, p.op);
-          continue;
-        }
-        const need = min(p);
-        if (!this.cr.canSend(need)) {
-          if (q === this.dataQ) this.traffic.stall();
-          break;
-        }
-        if (q === this.dataQ) this.traffic.stalled = false;
-        q.shift();
-        p.op.posted = true;
-        p.onPost?.();
-        this.cr.spend(need);
-        if (p.hdr !== null) {
-          // piggyback the receive buffers we re-posted since the last report
-          const a = p.hdr.alloc;
-          new DataView(a.buffer, a.bufOffset + 4, 4).setUint32(0, this.cr.report());
-        }
-        const id = this.host.slot(p.op);
-        p.wr.wrId = id;
-        this.fifo.push(id);
-        batch.push(p.wr);
-        room--;
+    // The lists are reused from flush to flush (the provider copies what it keeps when posted),
+    // filled by index and never emptied (an emptied array drops its storage): nothing is
+    // allocated per flush. A flush re-entered from inside one (the post's synchronous poll
+    // completes work and flushes again) makes its own.
+    const L = this.flushing ? newLists() : this.lists;
+    const was = this.flushing;
+    this.flushing = true;
+    try {
+      L.n = 0;
+      L.nr = 0;
+      let room = this.sendDepth - this.outstanding;
+      room = this.take(this.creditQ, LANE_CREDIT, L, room);
+      room = this.take(this.rdQ, LANE_INTERNAL, L, room);
+      room = this.take(this.ctrlQ, LANE_CTRL, L, room);
+      this.take(this.dataQ, LANE_DATA, L, room);
+      if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
+      const n = L.n;
+      if (n === 0) return;
+      const batch = L.wrs;
+      // Exactly this flush's work requests (shortening an array keeps its storage).
+      if (batch.length !== n) batch.length = n;
+      // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
+      // the send queue still drains (an unsignaled WR's slot is freed by the next signaled one).
+      for (let i = 0; i < n; i++) {
+        const wr = batch[i]!;
+        if (++this.sinceSignal >= SIGNAL_EVERY || i === n - 1) {
+          wr.flags = (wr.flags ?? 0) | SendFlags.SIGNALED;
+          this.sinceSignal = 0;
+        } else wr.flags = (wr.flags ?? 0) & ~SendFlags.SIGNALED;
       }
-    };
-    take(this.creditQ, () => NEED.credit);
-    take(this.rdQ, () => 0);
-    take(this.ctrlQ, () => NEED.ctrl);
-    take(this.dataQ, dataNeed);
-    if (this.ctrlQ.length || this.dataQ.length) this.maybeSendCredits();
-    if (batch.length === 0) return;
-    // Signal the last WR of the list and every SIGNAL_EVERY-th: fewer completions to poll, and
-    // the send queue still drains (an unsignaled WR's slot is freed by the next signaled one).
-    for (let i = 0; i < batch.length; i++) {
-      const wr = batch[i]!;
-      if (++this.sinceSignal >= SIGNAL_EVERY || i === batch.length - 1) {
-        wr.flags = (wr.flags ?? 0) | SendFlags.SIGNALED;
-        this.sinceSignal = 0;
-      } else wr.flags = (wr.flags ?? 0) & ~SendFlags.SIGNALED;
+      const wasIdle = this.outstanding === 0;
+      this.outstanding += n;
+      const nr = L.nr;
+      try {
+        this.host.post(batch, wasIdle);
+      } finally {
+        // Posted (or refused: the connection failed): the records are free again.
+        for (let i = 0; i < nr; i++) this.giveBack(L.recs[i]!);
+      }
+    } finally {
+      this.flushing = was;
     }
-    const wasIdle = this.outstanding === 0;
-    this.outstanding += batch.length;
-    this.host.post(batch, wasIdle);
+  }
+
+  /** A flush is running (a nested one makes its own lists). */
+  private flushing = false;
+  private readonly lists: FlushLists = newLists();
+  /** Free SEND records (at most the send depth). */
+  private readonly records: SendRecord[] = [];
+  private readonly flushTask = (): void => this.flush();
+
+  /**
+   * A SEND record for the caller to fill (op, credit, hdr, the elements'
+   * fields, `wr.sgList` = `one` or `two`, `wr.flags`) and enqueue. It comes
+   * back to the free list once posted; a record dropped unposted is left to
+   * the garbage collector.
+   */
+  record(): SendRecord {
+    const r = this.records.pop();
+    if (r !== undefined) return r;
+    const h: Sge = { addr: 0, length: 0, lkey: 0 };
+    const d: Sge = { addr: 0, length: 0, lkey: 0 };
+    const one = [h];
+    const rec: SendRecord = { wr: { wrId: 0, opcode: WrOpcode.SEND, flags: 0, sgList: one }, op: NO_OP, credit: 0, hdr: null, ordered: false, one, two: [h, d] };
+    rec.pooled = rec;
+    return rec;
+  }
+
+  private giveBack(r: SendRecord): void {
+    r.op = NO_OP;
+    r.hdr = null;
+    r.wr.wrId = 0;
+    if (this.records.length < this.sendDepth) this.records.push(r);
+  }
+
+  /** Moves the head of `q` into `batch` while it has credits (the lane's need) and the send queue `room`; the room left. */
+  private take(q: Pending[], lane: number, L: FlushLists, room: number): number {
+    while (q.length > 0 && room > 0) {
+      const p = q[0]!;
+      if (p.lease?.revoked && !p.op.posted) {
+        this.dropRevoked(q, p.op);
+        continue;
+      }
+      const need = lane === LANE_CREDIT ? NEED.credit : lane === LANE_INTERNAL ? 0 : lane === LANE_CTRL ? NEED.ctrl : dataNeed(p);
+      if (!this.cr.canSend(need)) {
+        if (lane === LANE_DATA) this.traffic.stall();
+        break;
+      }
+      if (lane === LANE_DATA) this.traffic.stalled = false;
+      q.shift();
+      p.op.posted = true;
+      p.onPost?.();
+      this.cr.spend(need);
+      if (p.hdr !== null) {
+        // piggyback the receive buffers we re-posted since the last report
+        const a = p.hdr.alloc;
+        put32(bytesOf(a.buffer), a.bufOffset + 4, this.cr.report());
+      }
+      const id = this.host.slot(p.op);
+      p.wr.wrId = id;
+      this.fifoPush(id);
+      L.wrs[L.n++] = p.wr;
+      if (p.pooled !== undefined) L.recs[L.nr++] = p.pooled;
+      room--;
+    }
+    return room;
   }
 
   /**
@@ -209,15 +305,26 @@ export class SendLanes {
    * so silently completed) work request's slot id, or -1 once `id` is reached.
    */
   unsignaledBefore(id: number): number {
-    if (this.fifoHead < this.fifo.length) {
-      const sid = this.fifo[this.fifoHead++]!;
+    if (this.fifoLen > 0) {
+      const sid = this.fifo[this.fifoHead]!;
+      this.fifoHead = (this.fifoHead + 1) & (this.fifo.length - 1);
+      this.fifoLen--;
       if (sid !== id) return sid;
     }
-    if (this.fifoHead > 1024 && this.fifoHead * 2 > this.fifo.length) {
-      this.fifo = this.fifo.slice(this.fifoHead);
+    return -1;
+  }
+
+  private fifoPush(id: number): void {
+    let f = this.fifo;
+    if (this.fifoLen === f.length) {
+      // Full (more posted than ever before): twice the room, the ids kept in order.
+      const g = new Array<number>(f.length * 2).fill(0);
+      for (let i = 0; i < this.fifoLen; i++) g[i] = f[(this.fifoHead + i) & (f.length - 1)]!;
+      this.fifo = f = g;
       this.fifoHead = 0;
     }
-    return -1;
+    f[(this.fifoHead + this.fifoLen) & (f.length - 1)] = id;
+    this.fifoLen++;
   }
 
   /** Removes every queued work request of `op` (only from the data lane when `dataOnly`). */
@@ -240,8 +347,16 @@ export class SendLanes {
   /** Sends a CREDIT message when the credit rule (credits.ts) says nothing queued will carry the credits soon. */
   maybeSendCredits(): void {
     const d = this.dataQ;
-    if (this.cr.shouldSendCredits({ credit: this.creditQ.length > 0, ctrl: this.ctrlQ.length > 0, data: d.length > 0, dataHeadNeed: d.length > 0 ? dataNeed(d[0]!) : 0 })) this.host.sendCredits();
+    const q = this.queuedWork;
+    q.credit = this.creditQ.length > 0;
+    q.ctrl = this.ctrlQ.length > 0;
+    q.data = d.length > 0;
+    q.dataHeadNeed = d.length > 0 ? dataNeed(d[0]!) : 0;
+    if (this.cr.shouldSendCredits(q)) this.host.sendCredits();
   }
+
+  /** maybeSendCredits's question, reused (read at once, never kept). */
+  private readonly queuedWork: QueuedWork = { credit: false, ctrl: false, data: false, dataHeadNeed: 0 };
 
   /** Drops a queued one-sided operation (all its parts, at the head of `q`) whose remote region was revoked meanwhile. */
   private dropRevoked(q: Pending[], op: Op): void {

@@ -49,6 +49,8 @@ export function checkBig(v: unknown, name: string): bigint {
 
 /** @internal */
 export function signalOf(o: OpOptions | undefined | null, what = "operation"): AbortSignal | undefined {
+  // No options (the common call): nothing to check, nothing allocated.
+  if (o === undefined) return undefined;
   const s = optsOf(o, what).signal;
   if (s !== undefined && !(s instanceof AbortSignal)) throw new RdmaError("INVALID_ARGUMENT", "signal must be an AbortSignal");
   return s;

@@ -149,13 +149,22 @@ export class Rdma {
    */
   send(data: SendData, opts?: OpOptions): Promise<void> {
     if (tracing()) return traced(this, "send", sizeOf(data), () => this.sendNow(data, undefined, opts, "send"));
-    return guard(() => this.sendNow(data, undefined, opts, "send"));
+    // guard() inlined: no closure per message.
+    try {
+      return this.sendNow(data, undefined, opts, "send");
+    } catch (e) {
+      return Promise.reject(e);
+    }
   }
 
   /** Like send, with 32 bits of immediate data; the peer gets `{ mr, imm }` from receiveWithImm(). */
   sendWithImm(data: SendData, imm: number, opts?: OpOptions): Promise<void> {
     if (tracing()) return traced(this, "sendWithImm", sizeOf(data), () => this.sendNow(data, checkImm(imm), opts, "sendWithImm"));
-    return guard(() => this.sendNow(data, checkImm(imm), opts, "sendWithImm"));
+    try {
+      return this.sendNow(data, checkImm(imm), opts, "sendWithImm");
+    } catch (e) {
+      return Promise.reject(e);
+    }
   }
 
   private sendNow(data: unknown, imm: number | undefined, opts: OpOptions | undefined, what: string): Promise<void> {
@@ -181,13 +190,21 @@ export class Rdma {
   }
 
   private receiveMr(opts: OpOptions | undefined): Promise<LocalMr> {
-    return guard(() => this.conn.receiveMr(signalOf(opts)));
+    try {
+      return this.conn.receiveMr(signalOf(opts));
+    } catch (e) {
+      return Promise.reject(e);
+    }
   }
 
   /** The next message and its immediate data (undefined when it was sent without). */
   receiveWithImm(opts?: OpOptions): Promise<{ mr: LocalMr; imm: number | undefined }> {
     if (tracing()) return traced(this, "receiveWithImm", 0, () => this.conn.receive(signalOf(opts)));
-    return guard(() => this.conn.receive(signalOf(opts)));
+    try {
+      return this.conn.receive(signalOf(opts));
+    } catch (e) {
+      return Promise.reject(e);
+    }
   }
 
   /**

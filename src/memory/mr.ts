@@ -28,7 +28,11 @@ export class LocalMemory {
   private freePending = false;
   private onFree: (() => void) | null;
   /** Run when the memory is released, before it is freed (shares revoke themselves here). */
-  readonly beforeFree = new Set<() => void>();
+  get beforeFree(): Set<() => void> {
+    return (this._beforeFree ??= new Set());
+  }
+  /** Made when first asked for (a share): most memory never has any, and receive buffers come and go per message. */
+  private _beforeFree: Set<() => void> | null = null;
   /**
    * Set by the owner of recyclable memory (a connection's receive buffers):
    * takes the allocation back instead of freeing it; false frees it.
@@ -81,8 +85,11 @@ export class LocalMemory {
   release(): void {
     if (this.disposed) return;
     this.disposed = true;
-    for (const f of [...this.beforeFree]) f();
-    this.beforeFree.clear();
+    const before = this._beforeFree;
+    if (before !== null && before.size > 0) {
+      for (const f of [...before]) f();
+      before.clear();
+    }
     if (this.inflight > 0) this.freePending = true;
     else this.doFree();
   }

@@ -29,7 +29,8 @@ function scripted(peerDepth = 64, sendDepth = 128) {
       },
       slot: (op) => ops.slot(op),
       dropQueued: (op, _parts, err) => void host.dropped.push({ op, err }),
-      post: (batch) => void host.posts.push(batch),
+      // The list is lent for the call only (send-lanes.ts reuses it): keep a copy.
+      post: (batch) => void host.posts.push([...batch]),
       sendCredits: () => {
         host.creditsSent++;
         lanes.enqueue(work(3, "credit"));
