@@ -29,7 +29,7 @@
  * hold unread messages cannot ping-pong CREDITs.
  */
 
-/** Receives each side posts before it connects (protocol v2): the peer's first credits. */
+/** Receives each side posts before it connects (agent protocol v4): the peer's first credits. */
 export const INITIAL_RECEIVES = 8;
 
 /** The receives a side of depth `depth` posts before it connects: the credits its peer starts with. */
