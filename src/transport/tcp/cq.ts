@@ -27,7 +27,14 @@ export interface CqUser {
 
 /** Socket reads being handled now (nested) and the CQs they completed into while armed. */
 let reading = 0;
-let toNotify: TcpCq[] = [];
+/**
+ * The CQs to notify, toNotify[0, nToNotify): the list is kept and reused
+ * (emptying an array by its length would give up its backing store, and the
+ * next push would allocate one), with a spare for a nested read.
+ */
+let toNotify: (TcpCq | null)[] = [];
+let nToNotify = 0;
+let spareNotify: (TcpCq | null)[] | null = [];
 
 /**
  * Hands one socket read's bytes to `sink`, then notifies every armed CQ that
@@ -38,17 +45,24 @@ export function deliverAfter(sink: (buf: Buffer, start: number, end: number) => 
   try {
     sink(buf, start, end);
   } finally {
-    if (--reading === 0 && toNotify.length > 0) {
+    if (--reading === 0 && nToNotify > 0) {
       const cqs = toNotify;
-      toNotify = [];
+      const n = nToNotify;
+      // A handler that reads a socket itself (nested) gets a list of its own.
+      toNotify = spareNotify ?? [];
+      spareNotify = null;
+      nToNotify = 0;
       let err: unknown = null;
-      for (const cq of cqs) {
+      for (let k = 0; k < n; k++) {
+        const cq = cqs[k]!;
+        cqs[k] = null;
         try {
           cq.notifyNow();
         } catch (e) {
           err ??= e;
         }
       }
+      spareNotify = cqs;
       if (err !== null) throw err;
     }
   }
@@ -137,10 +151,12 @@ export class TcpCq implements CompletionQueue {
     if (this.armed && !this.scheduled) {
       this.armed = false;
       this.scheduled = true;
-      if (reading > 0) toNotify.push(this);
-      else setImmediate(() => this.notifyNow());
+      if (reading > 0) toNotify[nToNotify++] = this;
+      else setImmediate(this.notifyLater);
     }
   }
+
+  private readonly notifyLater = (): void => this.notifyNow();
 
   /** A notification that was scheduled: runs the handler (once per arm). */
   notifyNow(): void {
