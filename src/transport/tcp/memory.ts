@@ -9,6 +9,7 @@
 import { RdmaError } from "../../errors.js";
 import { Access, type Device, type MemoryRegion, type MemoryWindow, type ProtectionDomain, type Sge } from "../types.js";
 import { detachArrayBuffer } from "../buffers.js";
+import type { DvCache } from "./bytes.js";
 
 export const PAGE = 4096;
 
@@ -78,6 +79,8 @@ export class TcpMr implements MemoryRegion {
   private readonly owned: boolean;
   /** Byte view over the registered range, for placement. */
   view: Uint8Array;
+  /** A DataView over `view`'s buffer for small copies (bytes.ts), renewed with the buffer. */
+  readonly dvc: DvCache = { ab: null, dv: null };
 
   constructor(pd: MemoryPd, buffer: ArrayBuffer, offset: number, length: number, access: number, owned: boolean) {
     this.pd = pd;
@@ -240,6 +243,21 @@ export function localView(pd: MemoryPd, s: Sge, needWrite: boolean, resolved: Tc
   const off = s.addr - t.addr;
   if (off < 0 || off + s.length > t.length) return null;
   return t.view.subarray(off, off + s.length);
+}
+
+/**
+ * The MR a local SGE of at least one byte names, with the checks of
+ * localView, or null for a local protection error; the bytes are
+ * `mr.view[s.addr - mr.addr, +s.length)` (no view is made: the per-message
+ * paths copy or place through the MR itself).
+ */
+export function sgeMr(pd: MemoryPd, s: Sge, needWrite: boolean): TcpMr | null {
+  const t = pd.device.keys.get(s.lkey);
+  if (!t || !("lkey" in t) || t.lkey !== s.lkey || t.pd !== pd || t.deregistered) return null;
+  if (needWrite && !(t.access & Access.LOCAL_WRITE)) return null;
+  const off = s.addr - t.addr;
+  if (off < 0 || off + s.length > t.length) return null;
+  return t;
 }
 
 /**
