@@ -60,6 +60,38 @@ const RESP_PAUSE_BYTES = 1 << 20;
 
 const NO_BYTES = new Uint8Array(0);
 
+/**
+ * Responders owing an ACK at the end of this event-loop turn,
+ * dueAcks[0, nDueAcks): one setImmediate serves all of them (an Immediate is
+ * an object per call; every QP that took requests in a turn shares one). The
+ * list is reused, as cq.ts's.
+ */
+let dueAcks: (Responder | null)[] = [];
+let nDueAcks = 0;
+let spareDueAcks: (Responder | null)[] | null = [];
+let dueAcksScheduled = false;
+
+function acksAtTurnEnd(): void {
+  dueAcksScheduled = false;
+  const list = dueAcks;
+  const n = nDueAcks;
+  dueAcks = spareDueAcks ?? [];
+  spareDueAcks = null;
+  nDueAcks = 0;
+  let err: unknown = null;
+  for (let k = 0; k < n; k++) {
+    const r = list[k]!;
+    list[k] = null;
+    try {
+      r.ackAtTurnEnd();
+    } catch (e) {
+      err ??= e;
+    }
+  }
+  spareDueAcks = list;
+  if (err !== null) throw err;
+}
+
 export class Responder {
   private readonly rq = new RecvQueue();
   /** The QP's stream (null until it is up, and after destroy). */
@@ -296,7 +328,11 @@ export class Responder {
     if (this.ackOwedRequests >= ACK_EAGER_REQUESTS) return this.flushAck();
     if (this.ackScheduled) return;
     this.ackScheduled = true;
-    setImmediate(this.ackAtTurnEnd);
+    dueAcks[nDueAcks++] = this;
+    if (!dueAcksScheduled) {
+      dueAcksScheduled = true;
+      setImmediate(acksAtTurnEnd);
+    }
   }
 
   /**
@@ -315,10 +351,11 @@ export class Responder {
     else this.respond(FrameType.ACK, (this.ePsn - 1) & PSN_MASK, Syndrome.ACK, 0, 0, null);
   }
 
-  private readonly ackAtTurnEnd = (): void => {
+  /** The end of the turn in which an ACK was scheduled (acksAtTurnEnd). */
+  ackAtTurnEnd(): void {
     this.ackScheduled = false;
     if (this.qp.state === QpState.RTS) this.flushAck();
-  };
+  }
 
   /** NAK and move the responder to ERR (class C/D errors in IBA terms). */
   private nak(psn: number, syndrome: number, reason: string): void {
