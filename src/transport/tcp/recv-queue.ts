@@ -1,7 +1,7 @@
 /**
  * The receive queue of a tcp QP: posted receive WRs, oldest first, held as
  * records recycled through a free list in a ring of references, so a posted
- * receive allocates nothing in steady state (the WR's scatter/gather list is
+ * receive allocates nothing in steady state (ring.ts) (the WR's scatter/gather list is
  * copied into the record's own Sge objects: the caller may reuse its WR).
  *
  * Invariant: a record goes back to the free list (release) only once its
@@ -11,6 +11,7 @@
  * record, so nothing reads a released record.
  */
 import type { Sge } from "../types.js";
+import { FreeList, RefRing } from "./ring.js";
 
 export interface RqEntry {
   wrId: number;
@@ -19,26 +20,22 @@ export interface RqEntry {
   nsge: number;
 }
 
-/** Positions are rebased below this (they stay small integers). */
-const REBASE_AT = 1 << 29;
+/** Free receive records kept per QP (what a burst made beyond it goes to the GC). */
+const FREE_RECORDS = 64;
 
 export class RecvQueue {
-  private ring: (RqEntry | undefined)[] = new Array<RqEntry | undefined>(16);
-  private mask = 15;
-  private head = 0;
-  private tail = 0;
-  /** Free records, free[0, nfree) (a stack by count: pop and push on a small array would give up and regrow its backing store). */
-  private readonly free: RqEntry[] = [];
-  private nfree = 0;
+  private readonly q = new RefRing<RqEntry>();
+  private readonly records = new FreeList<RqEntry>(FREE_RECORDS);
 
   /** Receives queued (posted and not yet taken). */
   get length(): number {
-    return this.tail - this.head;
+    return this.q.length;
   }
 
   /** Queues a receive WR (the caller checked the queue's bound). */
   post(wrId: number, sgList: readonly Sge[] | undefined): void {
-    const r = this.nfree > 0 ? this.free[--this.nfree]! : { wrId: 0, sges: [], nsge: 0 };
+    // One SGE to begin with (an empty array's first push reserves 17 elements).
+    const r = this.records.take() ?? { wrId: 0, sges: [{ addr: 0, length: 0, lkey: 0 }], nsge: 0 };
     r.wrId = wrId;
     const n = sgList === undefined ? 0 : sgList.length;
     const sges = r.sges;
@@ -53,45 +50,25 @@ export class RecvQueue {
       }
     }
     r.nsge = n;
-    if (this.tail - this.head > this.mask) this.grow();
-    this.ring[this.tail & this.mask] = r;
-    this.tail++;
+    this.q.push(r);
   }
 
   /** The oldest queued receive, taken off the queue (the caller releases it once completed), or null. */
   shift(): RqEntry | null {
-    if (this.head === this.tail) return null;
-    const k = this.head & this.mask;
-    const r = this.ring[k]!;
-    this.ring[k] = undefined;
-    this.head++;
-    if (this.head >= REBASE_AT) {
-      const d = this.head - (this.head & this.mask);
-      this.head -= d;
-      this.tail -= d;
-    }
+    if (this.q.length === 0) return null;
+    const r = this.q.shift();
+    this.q.rebase();
     return r;
   }
 
   /** A taken receive was completed: its record is free for the next post. */
   release(r: RqEntry): void {
-    this.free[this.nfree++] = r;
+    this.records.give(r);
   }
 
   /** Drops every record (the QP is destroyed). */
   clear(): void {
-    this.ring = new Array<RqEntry | undefined>(16);
-    this.mask = 15;
-    this.head = this.tail = 0;
-    this.free.length = 0;
-    this.nfree = 0;
-  }
-
-  private grow(): void {
-    const cap = (this.mask + 1) * 2;
-    const ring = new Array<RqEntry | undefined>(cap);
-    for (let i = this.head; i < this.tail; i++) ring[i & (cap - 1)] = this.ring[i & this.mask];
-    this.ring = ring;
-    this.mask = cap - 1;
+    this.q.clear();
+    this.records.clear();
   }
 }

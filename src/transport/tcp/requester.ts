@@ -28,7 +28,8 @@ import type { FrameReader } from "./frame-reader.js";
 import { NoProgressTimer } from "./liveness.js";
 import { bindWindow, invalidateWindow, sgeMr } from "./memory.js";
 import { PSN_MASK, psnBefore, type QpCore } from "./qp-core.js";
-import { ENTRY_DONE, ENTRY_QUEUED, ENTRY_SENT, SqRing, copyFromMr, copyInline, fillEntry, isReadOrAtomic, wcByteLen, wcOpcodeOf, type SqEntry } from "./send-queue.js";
+import { FreeList, RefRing } from "./ring.js";
+import { ENTRY_DONE, ENTRY_QUEUED, ENTRY_SENT, clearEntry, copyFromMr, copyInline, fillEntry, newEntry, isReadOrAtomic, wcByteLen, wcOpcodeOf, type SqEntry } from "./send-queue.js";
 
 /**
  * SEND and WRITE payloads up to this size are copied behind their header and
@@ -62,8 +63,8 @@ export const REQUEST_QUEUE_BYTES = 1024 * 1024;
 const STAGE_BYTES = 64 * 1024;
 /** Slabs whose writes are done, kept for reuse (process-wide: at most FREE_SLABS × STAGE_BYTES held idle). */
 const FREE_SLABS = 8;
-/** Queue positions are rebased below this (they stay small integers: no heap numbers). */
-const REBASE_AT = 1 << 29;
+/** Free send-queue records kept per QP (what a burst made beyond it goes to the GC). */
+const FREE_RECORDS = 64;
 
 interface Slab {
   buf: Buffer;
@@ -110,8 +111,9 @@ function releaseSlab(slab: Slab): void {
 }
 
 export class Requester {
-  private sq = new SqRing();
-  private sqHead = 0;
+  /** The send queue: sq.head is the oldest entry not yet completed, txIdx the next to transmit, ackIdx where to look for the oldest unacknowledged one. */
+  private readonly sq = new RefRing<SqEntry>();
+  private readonly records = new FreeList<SqEntry>(FREE_RECORDS);
   private txIdx = 0;
   private ackIdx = 0;
   private nextPsn = randomInt(0, PSN_MASK);
@@ -170,7 +172,7 @@ export class Requester {
 
   /** Requests are posted and not finished: their responses and ACKs must keep being read. */
   get awaitingPeer(): boolean {
-    return this.sqHead < this.sq.tail;
+    return this.sq.length > 0;
   }
 
   configure(attr: { timeoutMs: number; retryCnt: number; rnrRetry: number; maxRdAtomic: number; livenessMs: number }): void {
@@ -201,19 +203,20 @@ export class Requester {
 
   /** Queues send WR #i (already validated; `len` its message length). Throws RESOURCE_EXHAUSTED when the queue is full. */
   enqueue(wr: SendWr, i: number, len: number, maxSendWr: number, signalAll: boolean): void {
-    const sq = this.sq;
-    const e = sq.take();
+    const e = this.records.take() ?? newEntry();
     try {
       fillEntry(e, wr, i, len, this.qp.pd, signalAll);
     } catch (err) {
-      sq.giveBack(e);
+      clearEntry(e);
+      this.records.give(e);
       throw err;
     }
-    if (sq.tail - this.sqHead >= maxSendWr) {
-      sq.giveBack(e);
+    if (this.sq.length >= maxSendWr) {
+      clearEntry(e);
+      this.records.give(e);
       throw new RdmaError("RESOURCE_EXHAUSTED", `work request #${i}: send queue full (${maxSendWr} outstanding)`, { errnoName: "ENOMEM" });
     }
-    sq.push(e, this.sqHead);
+    this.sq.push(e);
     if (this.qp.state === QpState.ERR) {
       e.state = ENTRY_DONE;
       e.status = WcStatus.WR_FLUSH_ERR;
@@ -457,28 +460,25 @@ export class Requester {
    */
   private completeInOrder(): void {
     const sq = this.sq;
-    while (this.sqHead < sq.tail) {
-      const i = this.sqHead;
-      const e = sq.at(i);
+    while (sq.length > 0) {
+      const e = sq.at(sq.head);
       if (e.state !== ENTRY_DONE) break;
-      this.sqHead++;
+      sq.shift();
       const status = e.status;
       const wrId = e.wrId;
       if (e.signaled || status !== WcStatus.SUCCESS) this.qp.sendCq.push(wrId, status, wcOpcodeOf(e), 0, wcByteLen(e), 0, this.qp.qpNum);
       if (this.pendingLocalError === e) this.pendingLocalError = null;
       if (this.respTargetEntry === e) this.respTargetEntry = null;
       // Nothing reads the record past this point (send-queue.ts): it is free for the next WR.
-      sq.retire(i);
+      clearEntry(e);
+      this.records.give(e);
       if (status !== WcStatus.SUCCESS && status !== WcStatus.WR_FLUSH_ERR) this.qp.enterError(`work request ${wrId} failed with status ${status}`, false);
     }
-    if (this.ackIdx < this.sqHead) this.ackIdx = this.sqHead;
-    if (this.txIdx < this.sqHead) this.txIdx = this.sqHead;
-    if (this.sqHead >= REBASE_AT) {
-      const k = sq.rebase(this.sqHead);
-      this.sqHead -= k;
-      this.txIdx -= k;
-      this.ackIdx -= k;
-    }
+    if (this.ackIdx < sq.head) this.ackIdx = sq.head;
+    if (this.txIdx < sq.head) this.txIdx = sq.head;
+    const k = sq.rebase();
+    this.txIdx -= k;
+    this.ackIdx -= k;
   }
 
   /** The oldest transmitted, unfinished entry. */
@@ -671,7 +671,7 @@ export class Requester {
 
   /** A lost stream: the oldest WR that went out at least once (also one waiting out an RNR timer) reports why. */
   failOldestStarted(status: number): void {
-    for (let i = this.sqHead; i < this.sq.tail; i++) {
+    for (let i = this.sq.head; i < this.sq.tail; i++) {
       const e = this.sq.at(i);
       if (e.state === ENTRY_DONE) continue;
       if (e.psn >= 0) {
@@ -688,7 +688,7 @@ export class Requester {
     this.rnrWait = null;
     this.liveness.stop();
     this.ackMark = -1;
-    for (let i = this.sqHead; i < this.sq.tail; i++) {
+    for (let i = this.sq.head; i < this.sq.tail; i++) {
       const e = this.sq.at(i);
       if (e.state !== ENTRY_DONE) {
         e.state = ENTRY_DONE;
@@ -706,7 +706,8 @@ export class Requester {
     this.liveness.stop();
     this.sock = null;
     this.sq.clear();
-    this.sq.tail = this.sqHead = this.txIdx = this.ackIdx = 0;
+    this.records.clear();
+    this.txIdx = this.ackIdx = 0;
     this.respTargetEntry = null;
     this.pendingLocalError = null;
   }

@@ -7,7 +7,7 @@
  * checked here.
  *
  * Invariant (no allocation per WR in steady state): entries are records
- * recycled through a free list, held in a ring of references (SqRing). A
+ * recycled through a free list, held in a ring of references (ring.ts). A
  * record goes back to the free list only when the requester retires it at
  * the head of the queue, i.e. its completion was generated (or skipped,
  * unsignaled) and nothing can read it any more: the bytes of every socket
@@ -37,10 +37,11 @@ export interface SqEntry {
   sges: Sge[];
   nsge: number;
   len: number;
-  /** The WR's bytes were copied at post (INLINE): `inlineBuf[0, len)`. */
+  /** The WR's bytes were copied at post (INLINE): `inlineBuf[0, len)` (the record's own bytes of an inline slab). */
   inline: boolean;
   inlineBuf: Uint8Array;
-  readonly inlineDvc: DvCache;
+  /** A DataView over inlineBuf's slab (one per slab, shared by its records). */
+  inlineDv: DataView | null;
   imm: number;
   hasImm: boolean;
   solicited: boolean;
@@ -72,18 +73,45 @@ export interface SqEntry {
 
 const NO_BYTES = new Uint8Array(0);
 
-function newEntry(): SqEntry {
+/**
+ * Records' inline bytes are carved from slabs of INLINE_SLAB bytes shared by
+ * every QP of the process (a record keeps its piece for life: a buffer of its
+ * own would cost an ArrayBuffer and a DataView per record); one DataView
+ * per slab serves its records.
+ */
+const INLINE_SLAB = 16 * 1024;
+/** Inline pieces are this big, or the message's length when larger (the device allows up to 1 KiB). */
+const INLINE_PIECE = 64;
+let inlineSlab: Uint8Array = NO_BYTES;
+let inlineSlabOff = 0;
+let inlineSlabDv: DataView | null = null;
+
+/** Gives record `e` a piece of an inline slab of at least `len` bytes. */
+function takeInlinePiece(e: SqEntry, len: number): void {
+  const n = Math.max(len, INLINE_PIECE);
+  if (inlineSlabOff + n > inlineSlab.length || inlineSlabDv === null) {
+    inlineSlab = new Uint8Array(Math.max(INLINE_SLAB, n));
+    inlineSlabDv = new DataView(inlineSlab.buffer);
+    inlineSlabOff = 0;
+  }
+  e.inlineBuf = inlineSlab.subarray(inlineSlabOff, inlineSlabOff + n);
+  e.inlineDv = inlineSlabDv;
+  inlineSlabOff += n;
+}
+
+export function newEntry(): SqEntry {
   return {
     wrId: 0,
     opcode: 0,
     signaled: false,
     fence: false,
-    sges: [],
+    // Arrays of one element (a WR with more SGEs grows them once): an empty array's first push reserves 17.
+    sges: [{ addr: 0, length: 0, lkey: 0 }],
     nsge: 0,
     len: 0,
     inline: false,
     inlineBuf: NO_BYTES,
-    inlineDvc: { ab: null, dv: null },
+    inlineDv: null,
     imm: 0,
     hasImm: false,
     solicited: false,
@@ -102,9 +130,9 @@ function newEntry(): SqEntry {
     state: ENTRY_QUEUED,
     status: WcStatus.SUCCESS,
     rnrTries: 0,
-    targetMrs: [],
-    targetOffs: [],
-    targetLens: [],
+    targetMrs: [null],
+    targetOffs: [0],
+    targetLens: [0],
     ntargets: 0,
   };
 }
@@ -134,8 +162,16 @@ export function wcByteLen(e: SqEntry): number {
   return e.opcode === WrOpcode.ATOMIC_CMP_AND_SWP || e.opcode === WrOpcode.ATOMIC_FETCH_AND_ADD ? 8 : e.opcode === WrOpcode.RDMA_READ ? e.len : 0;
 }
 
+/** Unlinks a retired record from what it named (windows, MRs): it is about to go to the free list. */
+export function clearEntry(e: SqEntry): void {
+  e.mw = null;
+  e.bindMr = null;
+  for (let t = 0; t < e.ntargets; t++) e.targetMrs[t] = null;
+  e.ntargets = 0;
+}
+
 /**
- * Fills record `e` (from SqRing.take) with WR #i, already checked by
+ * Fills record `e` (new or from the free list) with WR #i, already checked by
  * validateSendWr (which returned its message length `len`). `signalAll`: the
  * QP's sq_sig_all. Throws INVALID_ARGUMENT for what only this provider can
  * check (the caller gives the record back).
@@ -195,9 +231,9 @@ export function fillEntry(e: SqEntry, wr: SendWr, i: number, len: number, pd: Me
   if (flags & SendFlags.INLINE && carriesInline(op)) {
     // Inline data is copied now: the caller may reuse its buffer as soon as postSend returns.
     // The record keeps its buffer (grown, never shrunk: at most the QP's maxInlineData).
-    if (e.inlineBuf.length < len) e.inlineBuf = new Uint8Array(Math.max(len, 64));
+    if (e.inlineBuf.length < len) takeInlinePiece(e, len);
     const data = e.inlineBuf;
-    const ddv = dvOf(data, e.inlineDvc);
+    const ddv = e.inlineDv!;
     let o = 0;
     for (let k = 0; k < n; k++) {
       const s = sges[k]!;
@@ -215,7 +251,7 @@ export function fillEntry(e: SqEntry, wr: SendWr, i: number, len: number, pd: Me
 export function copyInline(e: SqEntry, dst: Uint8Array, ddv: DataView, dof: number): void {
   const src = e.inlineBuf;
   const n = e.len;
-  if (n <= SMALL_COPY) copyWords(dvOf(src, e.inlineDvc), src.byteOffset, ddv, dst.byteOffset + dof, n);
+  if (n <= SMALL_COPY) copyWords(e.inlineDv!, src.byteOffset, ddv, dst.byteOffset + dof, n);
   else dst.set(n === src.length ? src : src.subarray(0, n), dof);
 }
 
@@ -224,76 +260,4 @@ export function copyFromMr(mr: TcpMr, off: number, dst: Uint8Array, ddv: DataVie
   const v = mr.view;
   if (n <= SMALL_COPY) copyWords(dvOf(v, mr.dvc), v.byteOffset + off, ddv, dst.byteOffset + dof, n);
   else dst.set(v.subarray(off, off + n), dof);
-}
-
-/**
- * The send queue: a ring of references to entries, indexed by absolute
- * position (head <= i < tail), and the free list the records come from.
- * Capacity grows by doubling to the most ever outstanding (bounded by the
- * QP's maxSendWr, checked before a push).
- */
-export class SqRing {
-  private ring: (SqEntry | undefined)[] = new Array<SqEntry | undefined>(16);
-  private mask = 15;
-  /** One past the newest entry (absolute). */
-  tail = 0;
-  /** Free records, free[0, nfree) (a stack by count: pop and push on a small array would give up and regrow its backing store). */
-  private readonly free: SqEntry[] = [];
-  private nfree = 0;
-
-  /** A record to fill (from the free list, else new). */
-  take(): SqEntry {
-    return this.nfree > 0 ? this.free[--this.nfree]! : newEntry();
-  }
-
-  /** A record that was taken and not pushed (its WR was refused) goes back. */
-  giveBack(e: SqEntry): void {
-    this.free[this.nfree++] = e;
-  }
-
-  at(i: number): SqEntry {
-    return this.ring[i & this.mask]!;
-  }
-
-  /** Appends `e` at tail; `head`: the oldest entry still queued (the ring grows when full). */
-  push(e: SqEntry, head: number): void {
-    if (this.tail - head > this.mask) this.grow(head);
-    this.ring[this.tail & this.mask] = e;
-    this.tail++;
-  }
-
-  /** The entry at `i` (the head) was retired: its record is free (see the invariant above). */
-  retire(i: number): void {
-    const k = i & this.mask;
-    const e = this.ring[k]!;
-    this.ring[k] = undefined;
-    e.mw = null;
-    e.bindMr = null;
-    for (let t = 0; t < e.ntargets; t++) e.targetMrs[t] = null;
-    e.ntargets = 0;
-    this.free[this.nfree++] = e;
-  }
-
-  /** Subtracts a multiple of the capacity from the positions (returned) so they stay small integers. */
-  rebase(head: number): number {
-    const k = head - (head & this.mask);
-    this.tail -= k;
-    return k;
-  }
-
-  private grow(head: number): void {
-    const cap = (this.mask + 1) * 2;
-    const ring = new Array<SqEntry | undefined>(cap);
-    for (let i = head; i < this.tail; i++) ring[i & (cap - 1)] = this.ring[i & this.mask];
-    this.ring = ring;
-    this.mask = cap - 1;
-  }
-
-  /** Drops every entry and record (the QP is destroyed). */
-  clear(): void {
-    this.ring = new Array<SqEntry | undefined>(16);
-    this.mask = 15;
-    this.free.length = 0;
-    this.nfree = 0;
-  }
 }
