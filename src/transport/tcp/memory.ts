@@ -2,9 +2,9 @@
  * Memory of the tcp provider: MRs and memory windows, how a local SGE
  * resolves to bytes, and the rules of binding and invalidating a window.
  *
- * Every access to registered memory goes through a subarray of an MR's view
- * that was checked here (local SGEs) or by the responder (remote keys), and a
- * guard that stops placement once the MR is deregistered.
+ * Every access to registered memory goes through an MR's view, at a range
+ * that was checked here (local SGEs) or by the responder (remote keys);
+ * placement stops once the MR is deregistered (frame-reader.ts).
  */
 import { RdmaError } from "../../errors.js";
 import { Access, type Device, type MemoryRegion, type MemoryWindow, type ProtectionDomain, type Sge } from "../types.js";
@@ -219,37 +219,12 @@ export class TcpMw implements MemoryWindow {
   }
 }
 
-/** A guard that holds while every MR in `mrs` is registered. */
-export function mrsAlive(mrs: TcpMr[]): () => boolean {
-  const list = mrs.slice();
-  return () => {
-    for (const m of list) if (m.deregistered) return false;
-    return true;
-  };
-}
-
 /**
- * The bytes a local SGE names, or null for a local protection error: the
- * lkey must name a live MR of `pd` (not a window), with LOCAL_WRITE when
- * `needWrite`, and the range must lie inside it. The MR is pushed on
- * `resolved` (placement guards, write retention).
- */
-export function localView(pd: MemoryPd, s: Sge, needWrite: boolean, resolved: TcpMr[]): Uint8Array | null {
-  if (s.length === 0) return new Uint8Array(0);
-  const t = pd.device.keys.get(s.lkey);
-  if (!t || !("lkey" in t) || t.lkey !== s.lkey || t.pd !== pd || t.deregistered) return null;
-  resolved.push(t);
-  if (needWrite && !(t.access & Access.LOCAL_WRITE)) return null;
-  const off = s.addr - t.addr;
-  if (off < 0 || off + s.length > t.length) return null;
-  return t.view.subarray(off, off + s.length);
-}
-
-/**
- * The MR a local SGE of at least one byte names, with the checks of
- * localView, or null for a local protection error; the bytes are
- * `mr.view[s.addr - mr.addr, +s.length)` (no view is made: the per-message
- * paths copy or place through the MR itself).
+ * The MR a local SGE of at least one byte names, or null for a local
+ * protection error: the lkey must name a live MR of `pd` (not a window),
+ * with LOCAL_WRITE when `needWrite`, and the range must lie inside it. The
+ * bytes are `mr.view[s.addr - mr.addr, +s.length)` (no view is made: the
+ * per-message paths copy or place through the MR itself).
  */
 export function sgeMr(pd: MemoryPd, s: Sge, needWrite: boolean): TcpMr | null {
   const t = pd.device.keys.get(s.lkey);

@@ -20,7 +20,7 @@
 import { RdmaError } from "../../errors.js";
 import { SendFlags, WcOpcode, WcStatus, WrOpcode, type SendWr, type Sge } from "../types.js";
 import { carriesInline } from "../validate.js";
-import { SMALL_COPY, copyWords, dvOf, type DvCache } from "./bytes.js";
+import { SMALL_COPY, copyWords, dvOf } from "./bytes.js";
 import { TcpMr, TcpMw, sgeMr, type MemoryPd } from "./memory.js";
 
 export const ENTRY_QUEUED = 0;
