@@ -13,6 +13,7 @@
  */
 import { RdmaError, checkInt } from "../../errors.js";
 import { CompletionBuffer, type AsyncEvent, type AsyncEventType, type CompletionQueue, type Device } from "../types.js";
+import { VisitList } from "./ring.js";
 
 /** What a CQ needs from its device (TcpDevice). */
 export interface CqDevice extends Device {
@@ -27,14 +28,9 @@ export interface CqUser {
 
 /** Socket reads being handled now (nested) and the CQs they completed into while armed. */
 let reading = 0;
-/**
- * The CQs to notify, toNotify[0, nToNotify): the list is kept and reused
- * (emptying an array by its length would give up its backing store, and the
- * next push would allocate one), with a spare for a nested read.
- */
-let toNotify: (TcpCq | null)[] = [];
-let nToNotify = 0;
-let spareNotify: (TcpCq | null)[] | null = [];
+/** The CQs to notify at the end of the read (reused: no list per read). */
+const toNotify = new VisitList<TcpCq>();
+const notify = (cq: TcpCq): void => cq.notifyNow();
 
 /**
  * Hands one socket read's bytes to `sink`, then notifies every armed CQ that
@@ -45,26 +41,7 @@ export function deliverAfter(sink: (buf: Buffer, start: number, end: number) => 
   try {
     sink(buf, start, end);
   } finally {
-    if (--reading === 0 && nToNotify > 0) {
-      const cqs = toNotify;
-      const n = nToNotify;
-      // A handler that reads a socket itself (nested) gets a list of its own.
-      toNotify = spareNotify ?? [];
-      spareNotify = null;
-      nToNotify = 0;
-      let err: unknown = null;
-      for (let k = 0; k < n; k++) {
-        const cq = cqs[k]!;
-        cqs[k] = null;
-        try {
-          cq.notifyNow();
-        } catch (e) {
-          err ??= e;
-        }
-      }
-      spareNotify = cqs;
-      if (err !== null) throw err;
-    }
+    if (--reading === 0 && toNotify.length > 0) toNotify.run(notify);
   }
 }
 
@@ -151,7 +128,7 @@ export class TcpCq implements CompletionQueue {
     if (this.armed && !this.scheduled) {
       this.armed = false;
       this.scheduled = true;
-      if (reading > 0) toNotify[nToNotify++] = this;
+      if (reading > 0) toNotify.add(this);
       else setImmediate(this.notifyLater);
     }
   }

@@ -11,7 +11,7 @@
  * record, so nothing reads a released record.
  */
 import type { Sge } from "../types.js";
-import { FreeList, RefRing } from "./ring.js";
+import { FreeList, RefRing, copySges } from "./ring.js";
 
 export interface RqEntry {
   wrId: number;
@@ -37,19 +37,7 @@ export class RecvQueue {
     // One SGE to begin with (an empty array's first push reserves 17 elements).
     const r = this.records.take() ?? { wrId: 0, sges: [{ addr: 0, length: 0, lkey: 0 }], nsge: 0 };
     r.wrId = wrId;
-    const n = sgList === undefined ? 0 : sgList.length;
-    const sges = r.sges;
-    for (let k = 0; k < n; k++) {
-      const s = sgList![k]!;
-      const t = sges[k];
-      if (t === undefined) sges.push({ addr: s.addr, length: s.length, lkey: s.lkey });
-      else {
-        t.addr = s.addr;
-        t.length = s.length;
-        t.lkey = s.lkey;
-      }
-    }
-    r.nsge = n;
+    r.nsge = copySges(sgList, r.sges);
     this.q.push(r);
   }
 

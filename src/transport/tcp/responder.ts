@@ -34,6 +34,7 @@ import type { FrameReader } from "./frame-reader.js";
 import { sgeMr, type TcpMr, type TcpMw } from "./memory.js";
 import { PSN_MASK, type QpCore } from "./qp-core.js";
 import { RecvQueue, type RqEntry } from "./recv-queue.js";
+import { VisitList } from "./ring.js";
 import { kernelTaken } from "./taken.js";
 
 /**
@@ -61,35 +62,17 @@ const RESP_PAUSE_BYTES = 1 << 20;
 const NO_BYTES = new Uint8Array(0);
 
 /**
- * Responders owing an ACK at the end of this event-loop turn,
- * dueAcks[0, nDueAcks): one setImmediate serves all of them (an Immediate is
- * an object per call; every QP that took requests in a turn shares one). The
- * list is reused, as cq.ts's.
+ * Responders owing an ACK at the end of this event-loop turn: one
+ * setImmediate serves all of them (an Immediate is an object per call; every
+ * QP that took requests in a turn shares one).
  */
-let dueAcks: (Responder | null)[] = [];
-let nDueAcks = 0;
-let spareDueAcks: (Responder | null)[] | null = [];
+const dueAcks = new VisitList<Responder>();
 let dueAcksScheduled = false;
+const ackNow = (r: Responder): void => r.ackAtTurnEnd();
 
 function acksAtTurnEnd(): void {
   dueAcksScheduled = false;
-  const list = dueAcks;
-  const n = nDueAcks;
-  dueAcks = spareDueAcks ?? [];
-  spareDueAcks = null;
-  nDueAcks = 0;
-  let err: unknown = null;
-  for (let k = 0; k < n; k++) {
-    const r = list[k]!;
-    list[k] = null;
-    try {
-      r.ackAtTurnEnd();
-    } catch (e) {
-      err ??= e;
-    }
-  }
-  spareDueAcks = list;
-  if (err !== null) throw err;
+  dueAcks.run(ackNow);
 }
 
 export class Responder {
@@ -328,7 +311,7 @@ export class Responder {
     if (this.ackOwedRequests >= ACK_EAGER_REQUESTS) return this.flushAck();
     if (this.ackScheduled) return;
     this.ackScheduled = true;
-    dueAcks[nDueAcks++] = this;
+    dueAcks.add(this);
     if (!dueAcksScheduled) {
       dueAcksScheduled = true;
       setImmediate(acksAtTurnEnd);

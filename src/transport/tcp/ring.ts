@@ -9,7 +9,9 @@
  * - FreeList: records kept for reuse, a stack by count (pop and push on a
  *   small array would give up its backing store and regrow it), at most
  *   `max` of them: what a burst allocated beyond that goes to the GC.
+ * - VisitList: objects to call back later (CQs to notify, QPs owing an ACK).
  */
+import type { Sge } from "../types.js";
 
 /** Positions are rebased once the head passes this. */
 export const REBASE_AT = 1 << 29;
@@ -94,4 +96,63 @@ export class FreeList<T> {
     this.items.length = 0;
     this.n = 0;
   }
+}
+
+/**
+ * Objects to visit once at a later point (the end of a socket read, the end
+ * of a turn), in the order added: kept by count and reused, so a use
+ * allocates nothing, with a spare list for objects added while a run goes on
+ * (they wait for the next run).
+ */
+export class VisitList<T> {
+  private items: (T | null)[] = [];
+  private n = 0;
+  private spare: (T | null)[] | null = [];
+
+  get length(): number {
+    return this.n;
+  }
+
+  add(x: T): void {
+    this.items[this.n++] = x;
+  }
+
+  /** Visits every object added before this call, once each; the first error thrown is rethrown once all were visited. */
+  run(visit: (x: T) => void): void {
+    const list = this.items;
+    const n = this.n;
+    this.items = this.spare ?? [];
+    this.spare = null;
+    this.n = 0;
+    let failed = false;
+    let err: unknown = null;
+    for (let k = 0; k < n; k++) {
+      const x = list[k]!;
+      list[k] = null;
+      try {
+        visit(x);
+      } catch (e) {
+        if (!failed) err = e;
+        failed = true;
+      }
+    }
+    this.spare = list;
+    if (failed) throw err;
+  }
+}
+
+/** Copies a WR's scatter/gather list into a record's own Sge objects (reused, grown when needed); returns how many. */
+export function copySges(from: readonly Sge[] | undefined, into: Sge[]): number {
+  const n = from === undefined ? 0 : from.length;
+  for (let k = 0; k < n; k++) {
+    const s = from![k]!;
+    const t = into[k];
+    if (t === undefined) into.push({ addr: s.addr, length: s.length, lkey: s.lkey });
+    else {
+      t.addr = s.addr;
+      t.length = s.length;
+      t.lkey = s.lkey;
+    }
+  }
+  return n;
 }

@@ -22,6 +22,7 @@ import { SendFlags, WcOpcode, WcStatus, WrOpcode, type SendWr, type Sge } from "
 import { carriesInline } from "../validate.js";
 import { SMALL_COPY, copyWords, dvOf } from "./bytes.js";
 import { TcpMr, TcpMw, sgeMr, type MemoryPd } from "./memory.js";
+import { copySges } from "./ring.js";
 
 export const ENTRY_QUEUED = 0;
 export const ENTRY_SENT = 1;
@@ -179,20 +180,8 @@ export function clearEntry(e: SqEntry): void {
 export function fillEntry(e: SqEntry, wr: SendWr, i: number, len: number, pd: MemoryPd, signalAll: boolean): void {
   const op = wr.opcode;
   const flags = wr.flags ?? 0;
-  const list = wr.sgList;
-  const n = list === undefined ? 0 : list.length;
   const sges = e.sges;
-  for (let k = 0; k < n; k++) {
-    const s = list![k]!;
-    const t = sges[k];
-    if (t === undefined) sges.push({ addr: s.addr, length: s.length, lkey: s.lkey });
-    else {
-      t.addr = s.addr;
-      t.length = s.length;
-      t.lkey = s.lkey;
-    }
-  }
-  e.nsge = n;
+  const n = (e.nsge = copySges(wr.sgList, sges));
   e.wrId = wr.wrId;
   e.opcode = op;
   e.signaled = signalAll || (flags & SendFlags.SIGNALED) !== 0;
