@@ -326,13 +326,18 @@ describe("tcp provider: recycled WR records (issue 21 point 1)", () => {
     const reader = (b.qp as unknown as { resp: { reader: { feed: (buf: Buffer, s: number, e: number) => void; payloadLeft: number } } }).resp.reader;
     const feed = reader.feed.bind(reader);
     let cut = false;
+    let fedAfterErr = 0;
     reader.feed = (buf, s, e) => {
+      if (cut) fedAfterErr += e - s;
       feed(buf, s, e);
       if (!cut && reader.payloadLeft > 0) {
         cut = true;
         b.qp.setError();
+        // The receive is flushed: its buffer is the application's again, and it reuses it at once.
+        bytes(rcv).fill(0xee);
       }
     };
+    bytes(src).fill(0x5a);
     b.qp.postRecv([
       { wrId: 22, sgList: [sge(rcv, 0, LEN)] },
       { wrId: 33, sgList: [sge(rcv, 0, LEN)] },
@@ -350,5 +355,117 @@ describe("tcp provider: recycled WR records (issue 21 point 1)", () => {
       "the receive the message was arriving in is flushed first, then the one behind it",
     );
     assert.equal(b.cq.poll(b.buf), 0, "no receive completes twice");
+    // The rest of that read, and any read before the stream closes, lands nowhere.
+    const sock = (b.qp as unknown as { sock: import("node:net").Socket | null }).sock;
+    if (sock && !sock.destroyed) await onceWithin(sock, "close", "B's stream to close after ERR");
+    const rb = bytes(rcv);
+    let changed = 0;
+    for (let j = 0; j < LEN; j++) if (rb[j] !== 0xee) changed++;
+    assert.equal(changed, 0, `no byte lands in a flushed receive's buffer (${fedAfterErr} bytes were read after ERR)`);
+  });
+
+  it("issue 21 point 1: a registered buffer its owner detached fails each access with an error completion, never a throw in a socket callback", async () => {
+    const detach = (ab: ArrayBuffer): void => void structuredClone(ab, { transfer: [ab] });
+    const cases: [string, (a: Side, b: Side) => void, [number, string][], [number, string][]][] = [
+      [
+        "a READ into it",
+        (a, b) => {
+          const s = b.pd.registerMr(4096, ALL_REMOTE);
+          const t = a.pd.registerMr(new ArrayBuffer(4096), ALL_REMOTE);
+          a.qp.postSend([{ wrId: 1, opcode: WrOpcode.RDMA_READ, flags: SendFlags.SIGNALED, sgList: [sge(t, 0, 4096)], remoteAddr: s.addr, rkey: s.rkey }]);
+          detach(t.buffer as ArrayBuffer);
+        },
+        [[1, "LOC_PROT_ERR"]],
+        [],
+      ],
+      [
+        "an atomic whose local buffer was deregistered",
+        (a, b) => {
+          const s = b.pd.registerMr(64, ALL_REMOTE);
+          const t = a.pd.registerMr(64, ALL_REMOTE);
+          a.qp.postSend([{ wrId: 1, opcode: WrOpcode.ATOMIC_FETCH_AND_ADD, flags: SendFlags.SIGNALED, sgList: [sge(t, 0, 8)], remoteAddr: s.addr, rkey: s.rkey, compareAdd: 1n }]);
+          t.deregister();
+        },
+        [[1, "LOC_PROT_ERR"]],
+        [],
+      ],
+      [
+        "a remote WRITE into it",
+        (a, b) => {
+          const s = a.pd.registerMr(4096, ALL_REMOTE);
+          const t = b.pd.registerMr(new ArrayBuffer(4096), ALL_REMOTE);
+          detach(t.buffer as ArrayBuffer);
+          a.qp.postSend([{ wrId: 1, opcode: WrOpcode.RDMA_WRITE, flags: SendFlags.SIGNALED, sgList: [sge(s, 0, 4096)], remoteAddr: t.addr, rkey: t.rkey }]);
+        },
+        [[1, "REM_ACCESS_ERR"]],
+        [],
+      ],
+      [
+        "a remote READ from it",
+        (a, b) => {
+          const s = b.pd.registerMr(new ArrayBuffer(4096), ALL_REMOTE);
+          const t = a.pd.registerMr(4096, ALL_REMOTE);
+          detach(s.buffer as ArrayBuffer);
+          a.qp.postSend([{ wrId: 1, opcode: WrOpcode.RDMA_READ, flags: SendFlags.SIGNALED, sgList: [sge(t, 0, 4096)], remoteAddr: s.addr, rkey: s.rkey }]);
+        },
+        [[1, "REM_ACCESS_ERR"]],
+        [],
+      ],
+      [
+        "a SEND into a receive posted in it",
+        (a, b) => {
+          const s = a.pd.registerMr(4096, ALL_REMOTE);
+          const t = b.pd.registerMr(new ArrayBuffer(4096), ALL_REMOTE);
+          b.qp.postRecv([{ wrId: 2, sgList: [sge(t, 0, 4096)] }]);
+          detach(t.buffer as ArrayBuffer);
+          a.qp.postSend([{ wrId: 1, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [sge(s, 0, 4096)] }]);
+        },
+        [[1, "REM_OP_ERR"]],
+        [[2, "LOC_PROT_ERR"]],
+      ],
+      [
+        "a SEND from it",
+        (a, b) => {
+          const s = a.pd.registerMr(new ArrayBuffer(4096), ALL_REMOTE);
+          const t = b.pd.registerMr(4096, ALL_REMOTE);
+          b.qp.postRecv([{ wrId: 2, sgList: [sge(t, 0, 4096)] }]);
+          detach(s.buffer as ArrayBuffer);
+          a.qp.postSend([{ wrId: 1, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [sge(s, 0, 4096)] }]);
+        },
+        [[1, "LOC_PROT_ERR"]],
+        [],
+      ],
+    ];
+    for (const [k, [what, run, wantA, wantB]] of cases.entries()) {
+      const { a, b } = await openPair(`detach${k}`);
+      // Both streams up first (a first message each way is not needed: one SEND brings the QP's one stream up).
+      const up = a.pd.registerMr(64, ALL_REMOTE);
+      const upR = b.pd.registerMr(64, ALL_REMOTE);
+      b.qp.postRecv([{ wrId: 900, sgList: [sge(upR, 0, 64)] }]);
+      a.qp.postSend([{ wrId: 901, opcode: WrOpcode.SEND, flags: SendFlags.SIGNALED, sgList: [sge(up, 0, 8)] }]);
+      const upA: Wc[] = [];
+      const upB: Wc[] = [];
+      await Promise.all([drainUntil(a, (wc) => upA.push(wc), () => upA.length === 1, `${what}: set-up send`), drainUntil(b, (wc) => upB.push(wc), () => upB.length === 1, `${what}: set-up receive`)]);
+      run(a, b);
+      const gotA: Wc[] = [];
+      await drainUntil(a, (wc) => gotA.push(wc), () => gotA.length >= wantA.length, `${what}: the requester's completion`);
+      assert.deepEqual(gotA.map((wc) => [wc.wrId, wcStatusName(wc.status)]), wantA, `${what}: requester`);
+      if (wantB.length > 0) {
+        const gotB: Wc[] = [];
+        await drainUntil(b, (wc) => gotB.push(wc), () => gotB.length >= wantB.length, `${what}: the responder's completion`);
+        assert.deepEqual(gotB.map((wc) => [wc.wrId, wcStatusName(wc.status)]), wantB, `${what}: responder`);
+      }
+    }
   });
 });
+
+/** Resolves on `ev` from `em`, or fails after the deadline. */
+function onceWithin(em: import("node:events").EventEmitter, ev: string, what: string, ms = DEADLINE_MS * 4): Promise<void> {
+  return new Promise((resolve, reject) => {
+    const t = setTimeout(() => reject(new Error(`timed out after ${ms} ms waiting for ${what}`)), ms);
+    em.once(ev, () => {
+      clearTimeout(t);
+      resolve();
+    });
+  });
+}

@@ -17,15 +17,6 @@ export function copyWords(s: DataView, so: number, d: DataView, dof: number, n: 
   for (; i < n; i++) d.setUint8(dof + i, s.getUint8(so + i));
 }
 
-/**
- * Copies src[so, so + n) to dst at `dof`; `sdv`/`ddv` are DataViews over
- * the whole ArrayBuffers of `src` and `dst` (used when n is small).
- */
-export function copyRange(src: Uint8Array, sdv: DataView, so: number, dst: Uint8Array, ddv: DataView, dof: number, n: number): void {
-  if (n <= SMALL_COPY) copyWords(sdv, src.byteOffset + so, ddv, dst.byteOffset + dof, n);
-  else dst.set(src.subarray(so, so + n), dof);
-}
-
 /** A DataView over the whole of `u8`'s ArrayBuffer, cached in `cache` while the buffer stays the same. */
 export interface DvCache {
   ab: ArrayBufferLike | null;

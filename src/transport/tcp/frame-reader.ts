@@ -18,7 +18,8 @@ import { HEADER_LEN, decodeHeader, newHeader, type DecodedHeader } from "./codec
 export interface PlacementMr {
   readonly view: Uint8Array;
   readonly dvc: DvCache;
-  readonly deregistered: boolean;
+  /** Deregistered, or its buffer detached: nothing more lands in it. */
+  readonly unusable: boolean;
 }
 
 /** A memory window a payload is placed through: placement stops once its key changes (invalidated, rebound). */
@@ -103,7 +104,7 @@ export class FrameReader {
 
   /** Every MR of the placement is still registered (and the window's key unchanged). */
   private alive(): boolean {
-    for (let k = 0; k < this.nseg; k++) if (this.segMr[k]!.deregistered) return false;
+    for (let k = 0; k < this.nseg; k++) if (this.segMr[k]!.unusable) return false;
     return this.win === null || this.win.rkey === this.winKey;
   }
 

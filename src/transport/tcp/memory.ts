@@ -73,6 +73,14 @@ export class TcpMr implements MemoryRegion {
   readonly rkey: number;
   readonly access: number;
   deregistered = false;
+  /**
+   * Deregistered, or the caller detached its own buffer since registering it
+   * (a transfer): no byte may be read from or placed in it. Such an access
+   * fails like one to a deregistered MR instead of throwing in a socket callback.
+   */
+  get unusable(): boolean {
+    return this.deregistered || (this.length > 0 && this.view.byteLength === 0);
+  }
   /** Windows bound to this MR (deregistering it with windows bound fails, as in verbs). */
   boundWindows = 0;
   private _buffer: ArrayBuffer;
@@ -228,7 +236,7 @@ export class TcpMw implements MemoryWindow {
  */
 export function sgeMr(pd: MemoryPd, s: Sge, needWrite: boolean): TcpMr | null {
   const t = pd.device.keys.get(s.lkey);
-  if (!t || !("lkey" in t) || t.lkey !== s.lkey || t.pd !== pd || t.deregistered) return null;
+  if (!t || !("lkey" in t) || t.lkey !== s.lkey || t.pd !== pd || t.unusable) return null;
   if (needWrite && !(t.access & Access.LOCAL_WRITE)) return null;
   const off = s.addr - t.addr;
   if (off < 0 || off + s.length > t.length) return null;
@@ -247,7 +255,7 @@ export function bindWindow(qp: WindowOwner, pd: MemoryPd, mw: TcpMw, rkey: numbe
     mw.pd !== pd ||
     mw.type !== 2 ||
     !mr ||
-    mr.deregistered ||
+    mr.unusable ||
     mr.pd !== pd ||
     !(mr.access & Access.MW_BIND) ||
     rkey >>> 8 !== mw.nextRkey() >>> 8 ||

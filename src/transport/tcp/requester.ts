@@ -602,7 +602,7 @@ export class Requester {
     if (h.type === FrameType.ATOMIC_RESP) {
       const mr = e.targetMrs[0]!;
       // Deregistered since the atomic went out: no byte may land after deregister returned.
-      if (mr.deregistered) {
+      if (mr.unusable) {
         this.respTargetEntry = e;
         return this.onResponseRevoked();
       }

@@ -365,11 +365,11 @@ export class Responder {
     if (t && t.pd === this.qp.pd) {
       if ("lkey" in t) {
         const off = h.raddr - t.addr;
-        if (!t.deregistered && t.access & need && off >= 0 && off + len <= t.length) {
+        if (!t.unusable && t.access & need && off >= 0 && off + len <= t.length) {
           this.remoteMr = t;
           this.remoteOff = off;
         }
-      } else if (t.mr && (t.type === 1 || t.qp === this.qp) && t.access & need && h.raddr >= t.addr && h.raddr + len <= t.addr + t.length) {
+      } else if (t.mr && !t.mr.unusable && (t.type === 1 || t.qp === this.qp) && t.access & need && h.raddr >= t.addr && h.raddr + len <= t.addr + t.length) {
         this.remoteMr = t.mr;
         this.remoteOff = h.raddr - t.mr.addr;
         // The window may be invalidated or its MR deregistered mid-payload.
