@@ -59,6 +59,14 @@ export function checkAddress(where: string, name: string, v: unknown): number {
   return v;
 }
 
+/** "work request #i" for the first indices of a list, made once: validation runs per posted WR, a string per post is heap per message. */
+const SEND_WHERE: string[] = [];
+const RECV_WHERE: string[] = [];
+function whereOf(cache: string[], prefix: string, i: number): string {
+  if (i >= 64) return `${prefix}${i}`;
+  return (cache[i] ??= `${prefix}${i}`);
+}
+
 function checkWrId(where: string, wr: unknown): void {
   if (wr === null || typeof wr !== "object") throw bad(where, "not a work request object");
   const id = (wr as { wrId?: unknown }).wrId;
@@ -115,7 +123,7 @@ export function carriesInline(op: number): boolean {
  * needs the provider's tables.
  */
 export function validateSendWr(wr: SendWr, i: number, caps: WrCaps): number {
-  const where = `work request #${i}`;
+  const where = whereOf(SEND_WHERE, "work request #", i);
   checkWrId(where, wr);
   const op: unknown = wr.opcode;
   if (typeof op !== "number" || !Number.isInteger(op) || op < WrOpcode.RDMA_WRITE || op > WrOpcode.BIND_MW) throw bad(where, `unknown opcode ${String(op)}`);
@@ -155,7 +163,7 @@ export function validateSendWr(wr: SendWr, i: number, caps: WrCaps): number {
 
 /** Receive work request #i, checked against the QP's caps. Returns the bytes its SGEs name. */
 export function validateRecvWr(wr: RecvWr, i: number, caps: WrCaps): number {
-  const where = `receive work request #${i}`;
+  const where = whereOf(RECV_WHERE, "receive work request #", i);
   checkWrId(where, wr);
   return validateSgList(where, wr.sgList, caps.maxRecvSge);
 }

@@ -175,20 +175,38 @@ export function encodeHeader(
   }
   const b = arena.subarray(arenaOff, arenaOff + size);
   arenaOff += size;
-  b[0] = MAGIC;
-  b[1] = VERSION;
-  b[2] = type;
-  b[3] = flags;
-  putU32(b, 4, psn >>> 0);
-  putU32(b, 8, payloadLen >>> 0);
-  putU32(b, 12, rkey >>> 0);
-  putU32(b, 16, Math.floor(raddr / 0x100000000) >>> 0);
-  putU32(b, 20, raddr >>> 0);
-  putU32(b, 24, imm >>> 0);
-  putU32(b, 28, aux >>> 0);
-  putU64(b, 32, op1);
-  putU64(b, 40, op2);
+  writeHeader(b, 0, type, flags, psn, payloadLen, rkey, raddr, imm, aux, op1, op2);
   return b;
+}
+
+/** Encodes a header into `b` at `o` (a staging slab: no view per frame). The same bytes as encodeHeader. */
+export function writeHeader(
+  b: Uint8Array,
+  o: number,
+  type: FrameType,
+  flags: number,
+  psn: number,
+  payloadLen: number,
+  rkey: number,
+  raddr: number,
+  imm: number,
+  aux: number,
+  op1: bigint | number,
+  op2: bigint | number,
+): void {
+  b[o] = MAGIC;
+  b[o + 1] = VERSION;
+  b[o + 2] = type;
+  b[o + 3] = flags;
+  putU32(b, o + 4, psn >>> 0);
+  putU32(b, o + 8, payloadLen >>> 0);
+  putU32(b, o + 12, rkey >>> 0);
+  putU32(b, o + 16, Math.floor(raddr / 0x100000000) >>> 0);
+  putU32(b, o + 20, raddr >>> 0);
+  putU32(b, o + 24, imm >>> 0);
+  putU32(b, o + 28, aux >>> 0);
+  putU64(b, o + 32, op1);
+  putU64(b, o + 40, op2);
 }
 
 /**

@@ -13,6 +13,7 @@
  */
 import { RdmaError, checkInt } from "../../errors.js";
 import { CompletionBuffer, type AsyncEvent, type AsyncEventType, type CompletionQueue, type Device } from "../types.js";
+import { VisitList } from "./ring.js";
 
 /** What a CQ needs from its device (TcpDevice). */
 export interface CqDevice extends Device {
@@ -27,7 +28,9 @@ export interface CqUser {
 
 /** Socket reads being handled now (nested) and the CQs they completed into while armed. */
 let reading = 0;
-let toNotify: TcpCq[] = [];
+/** The CQs to notify at the end of the read (reused: no list per read). */
+const toNotify = new VisitList<TcpCq>();
+const notify = (cq: TcpCq): void => cq.notifyNow();
 
 /**
  * Hands one socket read's bytes to `sink`, then notifies every armed CQ that
@@ -38,19 +41,7 @@ export function deliverAfter(sink: (buf: Buffer, start: number, end: number) => 
   try {
     sink(buf, start, end);
   } finally {
-    if (--reading === 0 && toNotify.length > 0) {
-      const cqs = toNotify;
-      toNotify = [];
-      let err: unknown = null;
-      for (const cq of cqs) {
-        try {
-          cq.notifyNow();
-        } catch (e) {
-          err ??= e;
-        }
-      }
-      if (err !== null) throw err;
-    }
+    if (--reading === 0 && toNotify.length > 0) toNotify.run(notify);
   }
 }
 
@@ -137,10 +128,12 @@ export class TcpCq implements CompletionQueue {
     if (this.armed && !this.scheduled) {
       this.armed = false;
       this.scheduled = true;
-      if (reading > 0) toNotify.push(this);
-      else setImmediate(() => this.notifyNow());
+      if (reading > 0) toNotify.add(this);
+      else setImmediate(this.notifyLater);
     }
   }
+
+  private readonly notifyLater = (): void => this.notifyNow();
 
   /** A notification that was scheduled: runs the handler (once per arm). */
   notifyNow(): void {

@@ -2,10 +2,33 @@
  * Stream → frames. Each header is decoded and validated by the codec (size
  * and format; a malformed one stops the reader with a reason); a payload is
  * copied straight into its placement (registered memory) as bytes arrive,
- * with no reassembly buffer, and only while the placement's guard says the
- * memory is still registered. What a frame *means* is the handlers' business.
+ * with no reassembly buffer, and only while every MR of the placement is
+ * still registered (and a window's key unchanged). What a frame *means* is
+ * the handlers' business.
+ *
+ * A placement is a list of (MR, offset, length) segments copied into the
+ * reader's own arrays (reused frame after frame): it holds no view and no
+ * closure, and nothing of the request or send-queue record it came from. The
+ * MR's current view is taken at each copy.
  */
+import { SMALL_COPY, copyWords, dvOf, type DvCache } from "./bytes.js";
 import { HEADER_LEN, decodeHeader, newHeader, type DecodedHeader } from "./codec.js";
+
+/** Registered memory a payload is placed in (TcpMr). */
+export interface PlacementMr {
+  readonly view: Uint8Array;
+  readonly dvc: DvCache;
+  /** Deregistered, or its buffer detached: nothing more lands in it. */
+  readonly unusable: boolean;
+}
+
+/** A memory window a payload is placed through: placement stops once its key changes (invalidated, rebound). */
+export interface PlacementWindow {
+  readonly rkey: number;
+}
+
+/** DataView over the buffer reads land in (read-path.ts's shared buffer, or a fallback chunk). */
+const chunkDvc: DvCache = { ab: null, dv: null };
 
 /**
  * Incremental frame reader: header first (possibly split across chunks), then
@@ -21,9 +44,15 @@ export class FrameReader {
   get payloadLeft(): number {
     return this.remaining;
   }
-  private targets: Uint8Array[] | null = null;
-  /** Checked before every placement: false once the target memory was deregistered. */
-  private guard: (() => boolean) | null = null;
+  /** The payload is placed (else discarded), in segMr/segOff/segLen[0, nseg). */
+  private placing = false;
+  private readonly segMr: (PlacementMr | null)[] = [];
+  private readonly segOff: number[] = [];
+  private readonly segLen: number[] = [];
+  private nseg = 0;
+  /** Placement through a window stops once its key is not `winKey` any more. */
+  private win: PlacementWindow | null = null;
+  private winKey = 0;
   private ti = 0;
   private toff = 0;
   stopped = false;
@@ -39,12 +68,44 @@ export class FrameReader {
     public onRevoked: (h: DecodedHeader) => void = () => {},
   ) {}
 
-  /** Called from onHeader: where the payload goes (null = discard), and what keeps it valid. */
-  place(targets: Uint8Array[] | null, guard: (() => boolean) | null = null): void {
-    this.targets = targets;
-    this.guard = guard;
+  /** Called from onHeader: the payload is discarded. */
+  discard(): void {
+    this.clearPlacement();
+    this.placing = false;
+  }
+
+  /** Called from onHeader: the payload is placed in the segments added next (placeSeg, in order; none: nothing to place). */
+  placeBegin(): void {
+    this.clearPlacement();
+    this.placing = true;
+  }
+
+  /** The next `len` bytes (> 0) of the payload go to `mr`'s bytes at `off` (checked by the caller). */
+  placeSeg(mr: PlacementMr, off: number, len: number): void {
+    const k = this.nseg++;
+    this.segMr[k] = mr;
+    this.segOff[k] = off;
+    this.segLen[k] = len;
+  }
+
+  /** The placement is through window `w` with key `key` (its MR was added by placeSeg). */
+  placeWindow(w: PlacementWindow, key: number): void {
+    this.win = w;
+    this.winKey = key;
+  }
+
+  private clearPlacement(): void {
+    for (let k = 0; k < this.nseg; k++) this.segMr[k] = null;
+    this.nseg = 0;
+    this.win = null;
     this.ti = 0;
     this.toff = 0;
+  }
+
+  /** Every MR of the placement is still registered (and the window's key unchanged). */
+  private alive(): boolean {
+    for (let k = 0; k < this.nseg; k++) if (this.segMr[k]!.unusable) return false;
+    return this.win === null || this.win.rkey === this.winKey;
   }
 
   /**
@@ -58,10 +119,10 @@ export class FrameReader {
     while (off < len && !this.stopped) {
       if (this.remaining > 0) {
         const n = Math.min(this.remaining, len - off);
-        if (this.targets !== null) {
-          if (this.guard !== null && !this.guard()) {
+        if (this.placing) {
+          if (!this.alive()) {
             // Deregistered while its payload was arriving: no byte may land after deregister returned.
-            this.targets = null;
+            this.discard();
             this.onRevoked(this.h);
           } else this.scatter(chunk, off, n);
         }
@@ -92,8 +153,7 @@ export class FrameReader {
         this.onMalformed(err, src[at + 2]!);
         return;
       }
-      this.targets = null;
-      this.guard = null;
+      this.discard();
       this.remaining = this.h.payloadLen;
       this.onHeader(this.h);
       if (this.stopped) {
@@ -105,15 +165,18 @@ export class FrameReader {
   }
 
   private scatter(chunk: Buffer, off: number, n: number): void {
-    const ts = this.targets!;
-    while (n > 0 && this.ti < ts.length) {
-      const t = ts[this.ti]!;
-      const k = Math.min(n, t.length - this.toff);
-      chunk.copy(t, this.toff, off, off + k);
+    while (n > 0 && this.ti < this.nseg) {
+      const mr = this.segMr[this.ti]!;
+      const len = this.segLen[this.ti]!;
+      const k = Math.min(n, len - this.toff);
+      const v = mr.view;
+      const at = this.segOff[this.ti]! + this.toff;
+      if (k <= SMALL_COPY) copyWords(dvOf(chunk, chunkDvc), chunk.byteOffset + off, dvOf(v, mr.dvc), v.byteOffset + at, k);
+      else v.set(new Uint8Array(chunk.buffer, chunk.byteOffset + off, k), at);
       this.toff += k;
       off += k;
       n -= k;
-      if (this.toff === t.length) {
+      if (this.toff === len) {
         this.ti++;
         this.toff = 0;
       }

@@ -2,13 +2,14 @@
  * Memory of the tcp provider: MRs and memory windows, how a local SGE
  * resolves to bytes, and the rules of binding and invalidating a window.
  *
- * Every access to registered memory goes through a subarray of an MR's view
- * that was checked here (local SGEs) or by the responder (remote keys), and a
- * guard that stops placement once the MR is deregistered.
+ * Every access to registered memory goes through an MR's view, at a range
+ * that was checked here (local SGEs) or by the responder (remote keys);
+ * placement stops once the MR is deregistered (frame-reader.ts).
  */
 import { RdmaError } from "../../errors.js";
 import { Access, type Device, type MemoryRegion, type MemoryWindow, type ProtectionDomain, type Sge } from "../types.js";
 import { detachArrayBuffer } from "../buffers.js";
+import type { DvCache } from "./bytes.js";
 
 export const PAGE = 4096;
 
@@ -72,12 +73,22 @@ export class TcpMr implements MemoryRegion {
   readonly rkey: number;
   readonly access: number;
   deregistered = false;
+  /**
+   * Deregistered, or the caller detached its own buffer since registering it
+   * (a transfer): no byte may be read from or placed in it. Such an access
+   * fails like one to a deregistered MR instead of throwing in a socket callback.
+   */
+  get unusable(): boolean {
+    return this.deregistered || (this.length > 0 && this.view.byteLength === 0);
+  }
   /** Windows bound to this MR (deregistering it with windows bound fails, as in verbs). */
   boundWindows = 0;
   private _buffer: ArrayBuffer;
   private readonly owned: boolean;
   /** Byte view over the registered range, for placement. */
   view: Uint8Array;
+  /** A DataView over `view`'s buffer for small copies (bytes.ts), renewed with the buffer. */
+  readonly dvc: DvCache = { ab: null, dv: null };
 
   constructor(pd: MemoryPd, buffer: ArrayBuffer, offset: number, length: number, access: number, owned: boolean) {
     this.pd = pd;
@@ -216,30 +227,20 @@ export class TcpMw implements MemoryWindow {
   }
 }
 
-/** A guard that holds while every MR in `mrs` is registered. */
-export function mrsAlive(mrs: TcpMr[]): () => boolean {
-  const list = mrs.slice();
-  return () => {
-    for (const m of list) if (m.deregistered) return false;
-    return true;
-  };
-}
-
 /**
- * The bytes a local SGE names, or null for a local protection error: the
- * lkey must name a live MR of `pd` (not a window), with LOCAL_WRITE when
- * `needWrite`, and the range must lie inside it. The MR is pushed on
- * `resolved` (placement guards, write retention).
+ * The MR a local SGE of at least one byte names, or null for a local
+ * protection error: the lkey must name a live MR of `pd` (not a window),
+ * with LOCAL_WRITE when `needWrite`, and the range must lie inside it. The
+ * bytes are `mr.view[s.addr - mr.addr, +s.length)` (no view is made: the
+ * per-message paths copy or place through the MR itself).
  */
-export function localView(pd: MemoryPd, s: Sge, needWrite: boolean, resolved: TcpMr[]): Uint8Array | null {
-  if (s.length === 0) return new Uint8Array(0);
+export function sgeMr(pd: MemoryPd, s: Sge, needWrite: boolean): TcpMr | null {
   const t = pd.device.keys.get(s.lkey);
-  if (!t || !("lkey" in t) || t.lkey !== s.lkey || t.pd !== pd || t.deregistered) return null;
-  resolved.push(t);
+  if (!t || !("lkey" in t) || t.lkey !== s.lkey || t.pd !== pd || t.unusable) return null;
   if (needWrite && !(t.access & Access.LOCAL_WRITE)) return null;
   const off = s.addr - t.addr;
   if (off < 0 || off + s.length > t.length) return null;
-  return t.view.subarray(off, off + s.length);
+  return t;
 }
 
 /**
@@ -254,7 +255,7 @@ export function bindWindow(qp: WindowOwner, pd: MemoryPd, mw: TcpMw, rkey: numbe
     mw.pd !== pd ||
     mw.type !== 2 ||
     !mr ||
-    mr.deregistered ||
+    mr.unusable ||
     mr.pd !== pd ||
     !(mr.access & Access.MW_BIND) ||
     rkey >>> 8 !== mw.nextRkey() >>> 8 ||

@@ -84,6 +84,8 @@ export class TcpQueuePair implements QueuePair, QpCore {
   private destroyed = false;
   /** The QP's one stream (dialed, or the peer's adopted), null until it is up. */
   private sock: net.Socket | null = null;
+  /** The stream's reader (both halves share it). */
+  private reader: FrameReader | null = null;
   /** This side dials (dialsFirst); otherwise it waits for the peer's stream. */
   private dials = false;
   /** The waiting side's deadline for the peer's stream. */
@@ -230,6 +232,7 @@ export class TcpQueuePair implements QueuePair, QpCore {
         else req.onResponseRevoked();
       },
     );
+    this.reader = reader;
     req.attach(sock, reader);
     resp.attach(sock, reader);
     const feed = (buf: Buffer, start: number, end: number): void => {
@@ -347,6 +350,9 @@ export class TcpQueuePair implements QueuePair, QpCore {
   enterError(reason: string, notify: boolean, type: AsyncEventType = "QP_FATAL"): void {
     if (this.state === QpState.ERR) return;
     this.state = QpState.ERR;
+    // No byte of a frame still arriving lands after this: its WR (a receive, a READ) is flushed
+    // below, and the application may reuse the buffer as soon as it polls that completion.
+    this.reader?.discard();
     // Flush: every unfinished WR completes with WR_FLUSH_ERR, in order; then the receives.
     this.req.flush();
     this.resp.flush();
@@ -378,6 +384,7 @@ export class TcpQueuePair implements QueuePair, QpCore {
     this.boundWindows.clear();
     if (this.waitTimer) clearTimeout(this.waitTimer);
     this.waitTimer = null;
+    this.reader?.discard();
     this.req.destroy();
     this.resp.destroy();
     const s = this.sock;

@@ -22,12 +22,14 @@ import type * as net from "node:net";
 import { randomInt } from "node:crypto";
 import { RdmaError } from "../../errors.js";
 import { QpState, WcStatus, WrOpcode, type SendWr } from "../types.js";
-import { FrameFlags, FrameType, HEADER_LEN, Syndrome, encodeHeader, rnrTimerMs, type DecodedHeader } from "./codec.js";
+import { dvOf, type DvCache } from "./bytes.js";
+import { FrameFlags, FrameType, HEADER_LEN, Syndrome, encodeHeader, rnrTimerMs, writeHeader, type DecodedHeader } from "./codec.js";
 import type { FrameReader } from "./frame-reader.js";
 import { NoProgressTimer } from "./liveness.js";
-import { bindWindow, invalidateWindow, localView, mrsAlive, type TcpMr } from "./memory.js";
+import { bindWindow, invalidateWindow, sgeMr } from "./memory.js";
 import { PSN_MASK, psnBefore, type QpCore } from "./qp-core.js";
-import { ENTRY_DONE, ENTRY_QUEUED, ENTRY_SENT, isReadOrAtomic, makeEntry, wcByteLen, wcOpcodeOf, type SqEntry } from "./send-queue.js";
+import { FreeList, RefRing } from "./ring.js";
+import { ENTRY_DONE, ENTRY_QUEUED, ENTRY_SENT, clearEntry, copyFromMr, copyInline, fillEntry, newEntry, isReadOrAtomic, wcByteLen, wcOpcodeOf, type SqEntry } from "./send-queue.js";
 
 /**
  * SEND and WRITE payloads up to this size are copied behind their header and
@@ -61,12 +63,16 @@ export const REQUEST_QUEUE_BYTES = 1024 * 1024;
 const STAGE_BYTES = 64 * 1024;
 /** Slabs whose writes are done, kept for reuse (process-wide: at most FREE_SLABS × STAGE_BYTES held idle). */
 const FREE_SLABS = 8;
+/** Free send-queue records kept per QP (what a burst made beyond it goes to the GC). */
+const FREE_RECORDS = 64;
 
 interface Slab {
   buf: Buffer;
   off: number;
   /** Requesters with frames pending in it (not written yet) plus its writes not yet done. */
   users: number;
+  /** A DataView over `buf`'s bytes (small copies, bytes.ts). */
+  readonly dvc: DvCache;
 }
 
 let stage: Slab | null = null;
@@ -74,22 +80,28 @@ const freeSlabs: Slab[] = [];
 /** Staging slabs allocated so far (tests and benchmarks: a steady stream reuses a few). */
 export const stageStats = { slabs: 0 };
 
-/** `n` bytes of the staging slab for a frame; the caller holds the slab (users) until its write is done. */
-function stageBytes(n: number): Buffer {
+/**
+ * `n` bytes of the staging slab for a frame: their offset in `stage.buf`
+ * (no view is made); the caller holds the slab (users) until its write is done.
+ */
+function stageBytes(n: number): number {
   let st = stage;
   if (st !== null && st.users === 0) st.off = 0;
   if (st === null || st.off + n > st.buf.length) {
     const free = n <= STAGE_BYTES ? freeSlabs.pop() : undefined;
     if (free !== undefined) st = stage = free;
     else {
-      st = stage = { buf: Buffer.allocUnsafeSlow(Math.max(STAGE_BYTES, n)), off: 0, users: 0 };
+      st = stage = { buf: Buffer.allocUnsafeSlow(Math.max(STAGE_BYTES, n)), off: 0, users: 0, dvc: { ab: null, dv: null } };
       stageStats.slabs++;
     }
   }
-  const b = st.buf.subarray(st.off, st.off + n);
+  const at = st.off;
   st.off += n;
-  return b;
+  return at;
 }
+
+/** DataView over the codec's header arena (lone small frames are copied into it). */
+const arenaDvc: DvCache = { ab: null, dv: null };
 
 /** A write from `slab` is done (or failed): once none is left, a slab that is no longer the current one is kept for reuse. */
 function releaseSlab(slab: Slab): void {
@@ -99,8 +111,9 @@ function releaseSlab(slab: Slab): void {
 }
 
 export class Requester {
-  private sq: SqEntry[] = [];
-  private sqHead = 0;
+  /** The send queue: sq.head is the oldest entry not yet completed, txIdx the next to transmit, ackIdx where to look for the oldest unacknowledged one. */
+  private readonly sq = new RefRing<SqEntry>();
+  private readonly records = new FreeList<SqEntry>(FREE_RECORDS);
   private txIdx = 0;
   private ackIdx = 0;
   private nextPsn = randomInt(0, PSN_MASK);
@@ -159,7 +172,7 @@ export class Requester {
 
   /** Requests are posted and not finished: their responses and ACKs must keep being read. */
   get awaitingPeer(): boolean {
-    return this.sqHead < this.sq.length;
+    return this.sq.length > 0;
   }
 
   configure(attr: { timeoutMs: number; retryCnt: number; rnrRetry: number; maxRdAtomic: number; livenessMs: number }): void {
@@ -190,8 +203,17 @@ export class Requester {
 
   /** Queues send WR #i (already validated; `len` its message length). Throws RESOURCE_EXHAUSTED when the queue is full. */
   enqueue(wr: SendWr, i: number, len: number, maxSendWr: number, signalAll: boolean): void {
-    const e = makeEntry(wr, i, len, this.qp.pd, signalAll);
-    if (this.sq.length - this.sqHead >= maxSendWr) {
+    const e = this.records.take() ?? newEntry();
+    try {
+      fillEntry(e, wr, i, len, this.qp.pd, signalAll);
+    } catch (err) {
+      clearEntry(e);
+      this.records.give(e);
+      throw err;
+    }
+    if (this.sq.length >= maxSendWr) {
+      clearEntry(e);
+      this.records.give(e);
       throw new RdmaError("RESOURCE_EXHAUSTED", `work request #${i}: send queue full (${maxSendWr} outstanding)`, { errnoName: "ENOMEM" });
     }
     this.sq.push(e);
@@ -217,7 +239,7 @@ export class Requester {
     // One writev for the whole posted list: the tcp provider's "one doorbell" (per-WR corks nest inside).
     // A single request is one write already: no cork (its buffering costs more than the write).
     // Small frames of the list are joined into as few writes as the header arena allows (out).
-    const corked = this.sq.length - this.txIdx !== 1;
+    const corked = this.sq.tail - this.txIdx !== 1;
     this.joining = corked;
     if (corked) sock.cork();
     try {
@@ -237,8 +259,8 @@ export class Requester {
 
   private pumpLoop(sock: net.Socket): void {
     let wrote = false;
-    while (this.txIdx < this.sq.length) {
-      const e = this.sq[this.txIdx]!;
+    while (this.txIdx < this.sq.tail) {
+      const e = this.sq.at(this.txIdx);
       if (e.state === ENTRY_DONE) {
         this.txIdx++;
         continue;
@@ -284,15 +306,20 @@ export class Requester {
    * Writes frame bytes `b` (a view of the codec's arena, never reused) after the
    * frames pending: joined to them when it follows them in the same arena.
    */
-  private out(sock: net.Socket, b: Buffer, slab: Slab | null = null): void {
-    if (this.outAb === b.buffer && this.outEnd === b.byteOffset) {
-      this.outEnd += b.length;
+  private out(sock: net.Socket, b: Buffer): void {
+    this.outBytes(sock, b.buffer, b.byteOffset, b.length, null);
+  }
+
+  /** Writes the `n` frame bytes at `start` of `ab` (the codec's arena, or `slab`'s) after the frames pending, joined to them when they follow. */
+  private outBytes(sock: net.Socket, ab: ArrayBufferLike, start: number, n: number, slab: Slab | null): void {
+    if (this.outAb === ab && this.outEnd === start) {
+      this.outEnd += n;
       return;
     }
     this.flushOut(sock);
-    this.outAb = b.buffer;
-    this.outStart = b.byteOffset;
-    this.outEnd = b.byteOffset + b.length;
+    this.outAb = ab;
+    this.outStart = start;
+    this.outEnd = start + n;
     this.outSlab = slab;
     if (slab !== null) slab.users++;
   }
@@ -313,19 +340,36 @@ export class Requester {
     sock.write(bytes, () => releaseSlab(slab));
   }
 
+  /**
+   * Resolves the entry's local segments (its non-empty SGEs) into
+   * e.targetMrs/Offs/Lens; false for a local protection error (an SGE outside
+   * registered memory, or without LOCAL_WRITE where the response lands).
+   */
+  private resolve(e: SqEntry, needWrite: boolean): boolean {
+    const pd = this.qp.pd;
+    let nt = 0;
+    for (let k = 0; k < e.nsge; k++) {
+      const s = e.sges[k]!;
+      if (s.length === 0) continue;
+      const mr = sgeMr(pd, s, needWrite);
+      if (mr === null) {
+        e.ntargets = nt;
+        return false;
+      }
+      e.targetMrs[nt] = mr;
+      e.targetOffs[nt] = s.addr - mr.addr;
+      e.targetLens[nt] = s.length;
+      nt++;
+    }
+    e.ntargets = nt;
+    return true;
+  }
+
   /** Writes one request; false for a local protection error (an SGE outside registered memory). */
   private transmit(sock: net.Socket, e: SqEntry, isRd: boolean): boolean {
     let flags = (e.hasImm ? FrameFlags.IMM : 0) | (e.solicited ? FrameFlags.SOLICITED : 0);
-    const resolved: TcpMr[] = [];
     if (isRd) {
-      const targets: Uint8Array[] = [];
-      for (const s of e.sges) {
-        const v = localView(this.qp.pd, s, true, resolved);
-        if (v === null) return false;
-        targets.push(v);
-      }
-      e.targets = targets;
-      e.guard = mrsAlive(resolved);
+      if (!this.resolve(e, true)) return false;
       this.qp.counters.requests++;
       if (e.opcode === WrOpcode.RDMA_READ) {
         const ack = this.takePiggyback(sock);
@@ -338,34 +382,39 @@ export class Requester {
       return true;
     }
     const type = e.opcode === WrOpcode.SEND || e.opcode === WrOpcode.SEND_WITH_IMM ? FrameType.SEND : FrameType.WRITE;
-    let views: Uint8Array[] | null = null;
-    if (e.inline === null) {
-      views = [];
-      for (const s of e.sges) {
-        const v = localView(this.qp.pd, s, false, resolved);
-        if (v === null) return false;
-        if (v.length > 0) views.push(v);
-      }
-    }
+    if (!e.inline && !this.resolve(e, false)) return false;
     this.qp.counters.requests++;
     const ack = this.takePiggyback(sock);
     if (ack >= 0) flags |= FrameFlags.ACK;
-    if (e.len <= SMALL_FRAME_COPY) {
+    const n = e.len;
+    if (n <= SMALL_FRAME_COPY) {
       // A small frame is copied behind its header: one buffer (in a list, staged and written
       // with the frames before it), and the memory is free to reuse at once (no write to wait
       // for). A lone request (the latency path) is encoded in the codec's arena and written at
       // once: staging costs it more than it saves (write_lat 8 B measured +12 % staged).
-      const join = this.joining;
-      const b = join ? stageBytes(HEADER_LEN + e.len) : encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0, ack >= 0 ? ack : 0, e.len);
-      if (join) b.set(encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0, ack >= 0 ? ack : 0), 0);
-      let o = HEADER_LEN;
-      if (e.inline !== null) b.set(e.inline, o);
-      else
-        for (const v of views!) {
-          b.set(v, o);
-          o += v.length;
-        }
-      if (join) this.out(sock, b, stage);
+      let b: Buffer;
+      let o: number;
+      if (this.joining) {
+        o = stageBytes(HEADER_LEN + n);
+        b = stage!.buf;
+        writeHeader(b, o, type, flags, e.psn, n, e.rkey, e.remoteAddr, e.imm, 0, 0, ack >= 0 ? ack : 0);
+      } else {
+        b = encodeHeader(type, flags, e.psn, n, e.rkey, e.remoteAddr, e.imm, 0, 0, ack >= 0 ? ack : 0, n);
+        o = 0;
+      }
+      const start = o;
+      o += HEADER_LEN;
+      if (n > 0) {
+        const bdv = dvOf(b, this.joining ? stage!.dvc : arenaDvc);
+        if (e.inline) copyInline(e, b, bdv, o);
+        else
+          for (let k = 0; k < e.ntargets; k++) {
+            const len = e.targetLens[k]!;
+            copyFromMr(e.targetMrs[k]!, e.targetOffs[k]!, b, bdv, o, len);
+            o += len;
+          }
+      }
+      if (this.joining) this.outBytes(sock, b.buffer, b.byteOffset + start, HEADER_LEN + n, stage);
       else {
         this.flushOut(sock);
         sock.write(b);
@@ -374,16 +423,18 @@ export class Requester {
     }
     // Header and payload go out as one writev (cork), the payload straight from the registered memory.
     sock.cork();
-    this.out(sock, encodeHeader(type, flags, e.psn, e.len, e.rkey, e.remoteAddr, e.imm, 0, 0, ack >= 0 ? ack : 0));
+    this.out(sock, encodeHeader(type, flags, e.psn, n, e.rkey, e.remoteAddr, e.imm, 0, 0, ack >= 0 ? ack : 0));
     this.flushOut(sock);
-    if (e.inline !== null) {
-      if (e.inline.length > 0) sock.write(e.inline);
+    if (e.inline) {
+      // Never reached with the device's inline cap (below SMALL_FRAME_COPY); a copy: the socket must not hold the record's buffer.
+      sock.write(Buffer.from(e.inlineBuf.subarray(0, n)));
     } else {
       // Each MR stays allocated until the kernel has copied its bytes, even if deregistered meanwhile.
-      for (let i = 0; i < views!.length; i++) {
-        const mr = resolved[i]!;
+      for (let k = 0; k < e.ntargets; k++) {
+        const mr = e.targetMrs[k]!;
+        const off = e.targetOffs[k]!;
         mr.retainForWrite();
-        sock.write(views![i]!, mr.writeDone);
+        sock.write(mr.view.subarray(off, off + e.targetLens[k]!), mr.writeDone);
       }
     }
     sock.uncork();
@@ -403,30 +454,37 @@ export class Requester {
 
   // ------------------------------------------------------------- completion
 
+  /**
+   * Retires finished entries at the head, in order: each one's completion is
+   * generated (unsignaled successes silently), then its record is free.
+   */
   private completeInOrder(): void {
-    while (this.sqHead < this.sq.length) {
-      const e = this.sq[this.sqHead]!;
+    const sq = this.sq;
+    while (sq.length > 0) {
+      const e = sq.at(sq.head);
       if (e.state !== ENTRY_DONE) break;
-      this.sqHead++;
-      if (e.signaled || e.status !== WcStatus.SUCCESS) this.qp.sendCq.push(e.wrId, e.status, wcOpcodeOf(e), 0, wcByteLen(e), 0, this.qp.qpNum);
-      if (e.status !== WcStatus.SUCCESS && e.status !== WcStatus.WR_FLUSH_ERR) {
-        if (this.pendingLocalError === e) this.pendingLocalError = null;
-        this.qp.enterError(`work request ${e.wrId} failed with status ${e.status}`, false);
-      }
+      sq.shift();
+      const status = e.status;
+      const wrId = e.wrId;
+      if (e.signaled || status !== WcStatus.SUCCESS) this.qp.sendCq.push(wrId, status, wcOpcodeOf(e), 0, wcByteLen(e), 0, this.qp.qpNum);
+      if (this.pendingLocalError === e) this.pendingLocalError = null;
+      if (this.respTargetEntry === e) this.respTargetEntry = null;
+      // Nothing reads the record past this point (send-queue.ts): it is free for the next WR.
+      clearEntry(e);
+      this.records.give(e);
+      if (status !== WcStatus.SUCCESS && status !== WcStatus.WR_FLUSH_ERR) this.qp.enterError(`work request ${wrId} failed with status ${status}`, false);
     }
-    if (this.ackIdx < this.sqHead) this.ackIdx = this.sqHead;
-    if (this.sqHead > 1024 && this.sqHead * 2 > this.sq.length) {
-      this.sq = this.sq.slice(this.sqHead);
-      this.txIdx -= this.sqHead;
-      this.ackIdx -= this.sqHead;
-      this.sqHead = 0;
-    }
+    if (this.ackIdx < sq.head) this.ackIdx = sq.head;
+    if (this.txIdx < sq.head) this.txIdx = sq.head;
+    const k = sq.rebase();
+    this.txIdx -= k;
+    this.ackIdx -= k;
   }
 
   /** The oldest transmitted, unfinished entry. */
   private firstSent(): SqEntry | null {
     while (this.ackIdx < this.txIdx) {
-      const e = this.sq[this.ackIdx]!;
+      const e = this.sq.at(this.ackIdx);
       if (e.state === ENTRY_SENT) return e;
       this.ackIdx++;
     }
@@ -436,7 +494,7 @@ export class Requester {
   /** Everything sent before `psn` that needs no response is acknowledged (a NAK or response implies it). */
   private ackBefore(psn: number, inclusive: boolean): void {
     for (let i = this.ackIdx; i < this.txIdx; i++) {
-      const e = this.sq[i]!;
+      const e = this.sq.at(i);
       if (e.state !== ENTRY_SENT) continue;
       const before = psnBefore(e.psn, psn) || (inclusive && e.psn === psn);
       if (!before) break;
@@ -475,7 +533,7 @@ export class Requester {
     const mark = this.ackMark;
     if (mark < 0) return true;
     for (let i = this.ackIdx; i < this.txIdx; i++) {
-      const e = this.sq[i]!;
+      const e = this.sq.at(i);
       if (e.state !== ENTRY_SENT) continue;
       if (psnBefore(mark, e.psn)) break;
       // Its response is still on the way: keep the mark until it is in.
@@ -488,7 +546,7 @@ export class Requester {
 
   onResponseHeader(h: DecodedHeader): void {
     if (this.qp.state !== QpState.RTS) {
-      this.reader?.place(null);
+      this.reader?.discard();
       return;
     }
     if (!psnBefore(h.psn, this.nextPsn)) {
@@ -525,7 +583,9 @@ export class Requester {
         }
         if (h.type === FrameType.READ_RESP) {
           if (h.payloadLen !== e.len) return this.qp.protocolError("requester", `read response of ${h.payloadLen} bytes for a ${e.len}-byte read`);
-          this.reader!.place(e.targets, e.guard);
+          const reader = this.reader!;
+          reader.placeBegin();
+          for (let k = 0; k < e.ntargets; k++) reader.placeSeg(e.targetMrs[k]!, e.targetOffs[k]!, e.targetLens[k]!);
         }
         this.respTargetEntry = e;
         return;
@@ -540,12 +600,17 @@ export class Requester {
     if (e === null || this.qp.state !== QpState.RTS) return;
     this.respTargetEntry = null;
     if (h.type === FrameType.ATOMIC_RESP) {
-      const t = e.targets![0]!;
+      const mr = e.targetMrs[0]!;
+      // Deregistered since the atomic went out: no byte may land after deregister returned.
+      if (mr.unusable) {
+        this.respTargetEntry = e;
+        return this.onResponseRevoked();
+      }
       // The original value lands in host byte order (little-endian), as an HCA writes it.
-      new DataView(t.buffer, t.byteOffset, 8).setBigUint64(0, h.op1, true);
+      const v = mr.view;
+      dvOf(v, mr.dvc).setBigUint64(v.byteOffset + e.targetOffs[0]!, h.op1, true);
     }
     e.state = ENTRY_DONE;
-    e.targets = null;
     this.outstandingRd--;
     // A piggybacked ACK that overtook this response may now apply past it.
     this.ackToMark();
@@ -560,7 +625,6 @@ export class Requester {
     this.respTargetEntry = null;
     e.state = ENTRY_DONE;
     e.status = WcStatus.LOC_PROT_ERR;
-    e.targets = null;
     this.outstandingRd--;
     this.completeInOrder();
   }
@@ -578,9 +642,10 @@ export class Requester {
     }
     this.rnrRetries++;
     // Go back N: the responder discards everything after the NAKed PSN; resend from it after the RNR timer.
-    const idx = this.sq.indexOf(e, this.ackIdx);
+    let idx = this.ackIdx;
+    while (this.sq.at(idx) !== e) idx++;
     for (let i = idx; i < this.txIdx; i++) {
-      const x = this.sq[i]!;
+      const x = this.sq.at(i);
       if (x.state === ENTRY_SENT) x.state = ENTRY_QUEUED;
     }
     this.txIdx = idx;
@@ -606,8 +671,8 @@ export class Requester {
 
   /** A lost stream: the oldest WR that went out at least once (also one waiting out an RNR timer) reports why. */
   failOldestStarted(status: number): void {
-    for (let i = this.sqHead; i < this.sq.length; i++) {
-      const e = this.sq[i]!;
+    for (let i = this.sq.head; i < this.sq.tail; i++) {
+      const e = this.sq.at(i);
       if (e.state === ENTRY_DONE) continue;
       if (e.psn >= 0) {
         e.state = ENTRY_DONE;
@@ -623,8 +688,8 @@ export class Requester {
     this.rnrWait = null;
     this.liveness.stop();
     this.ackMark = -1;
-    for (let i = this.sqHead; i < this.sq.length; i++) {
-      const e = this.sq[i]!;
+    for (let i = this.sq.head; i < this.sq.tail; i++) {
+      const e = this.sq.at(i);
       if (e.state !== ENTRY_DONE) {
         e.state = ENTRY_DONE;
         e.status = WcStatus.WR_FLUSH_ERR;
@@ -640,6 +705,10 @@ export class Requester {
     this.rnrWait = null;
     this.liveness.stop();
     this.sock = null;
-    this.sq = [];
+    this.sq.clear();
+    this.records.clear();
+    this.txIdx = this.ackIdx = 0;
+    this.respTargetEntry = null;
+    this.pendingLocalError = null;
   }
 }

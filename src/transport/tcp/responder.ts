@@ -28,10 +28,13 @@
 import type * as net from "node:net";
 import { RdmaError } from "../../errors.js";
 import { Access, QpState, WcFlags, WcOpcode, WcStatus, type Sge } from "../types.js";
+import { dvOf } from "./bytes.js";
 import { FrameFlags, FrameType, HEADER_LEN, Syndrome, encodeHeader, type DecodedHeader } from "./codec.js";
 import type { FrameReader } from "./frame-reader.js";
-import { localView, mrsAlive, type TcpMr } from "./memory.js";
+import { sgeMr, type TcpMr, type TcpMw } from "./memory.js";
 import { PSN_MASK, type QpCore } from "./qp-core.js";
+import { RecvQueue, type RqEntry } from "./recv-queue.js";
+import { VisitList } from "./ring.js";
 import { kernelTaken } from "./taken.js";
 
 /**
@@ -56,14 +59,24 @@ const PROGRESS_INTERVAL_MS = 4;
  */
 const RESP_PAUSE_BYTES = 1 << 20;
 
-interface RqEntry {
-  wrId: number;
-  sges: Sge[];
+const NO_BYTES = new Uint8Array(0);
+
+/**
+ * Responders owing an ACK at the end of this event-loop turn: one
+ * setImmediate serves all of them (an Immediate is an object per call; every
+ * QP that took requests in a turn shares one).
+ */
+const dueAcks = new VisitList<Responder>();
+let dueAcksScheduled = false;
+const ackNow = (r: Responder): void => r.ackAtTurnEnd();
+
+function acksAtTurnEnd(): void {
+  dueAcksScheduled = false;
+  dueAcks.run(ackNow);
 }
 
 export class Responder {
-  private rq: RqEntry[] = [];
-  private rqHead = 0;
+  private readonly rq = new RecvQueue();
   /** The QP's stream (null until it is up, and after destroy). */
   sock: net.Socket | null = null;
   private reader: FrameReader | null = null;
@@ -93,8 +106,11 @@ export class Responder {
   private respQueued = 0;
   private minRnrTimer = 12;
   private maxDestRdAtomic = 16;
-  private remoteGuard: (() => boolean) | null = null;
+  /** What remoteTarget resolved: the MR and the offset in it, and the window it went through (null: none) with its key. */
   private remoteMr: TcpMr | null = null;
+  private remoteOff = 0;
+  private remoteWin: TcpMw | null = null;
+  private remoteKey = 0;
 
   /**
    * @param access the QP's access flags (which remote operations the peer may target at it).
@@ -150,28 +166,39 @@ export class Responder {
 
   /** Queues receive WR #i (already validated). Throws RESOURCE_EXHAUSTED when the queue is full. */
   enqueue(wrId: number, sgList: readonly Sge[] | undefined, i: number, maxRecvWr: number): void {
-    const sges = (sgList ?? []).map((s) => ({ addr: s.addr, length: s.length, lkey: s.lkey }));
-    if (this.rq.length - this.rqHead >= maxRecvWr) {
+    if (this.rq.length >= maxRecvWr) {
       throw new RdmaError("RESOURCE_EXHAUSTED", `receive work request #${i}: receive queue full (${maxRecvWr})`, { errnoName: "ENOMEM" });
     }
     if (this.qp.state === QpState.ERR) {
       this.qp.recvCq.push(wrId, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
       return;
     }
-    this.rq.push({ wrId, sges });
+    this.rq.post(wrId, sgList);
   }
 
-  /** The QP entered ERR: every posted receive completes with WR_FLUSH_ERR. */
+  /** A receive taken off the queue is finished: its completion, then its record is free (recv-queue.ts). */
+  private completeRecv(r: RqEntry, status: number, opcode: number, flags: number, byteLen: number, imm: number): void {
+    this.qp.recvCq.push(r.wrId, status, opcode, flags, byteLen, imm, this.qp.qpNum);
+    this.rq.release(r);
+  }
+
+  /**
+   * The QP entered ERR: every posted receive completes with WR_FLUSH_ERR, in
+   * order, beginning with the one whose message was arriving (taken off the
+   * queue, not completed: as on an HCA, it is flushed, not lost).
+   */
   flush(): void {
-    for (let i = this.rqHead; i < this.rq.length; i++) this.qp.recvCq.push(this.rq[i]!.wrId, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
-    this.rq = [];
-    this.rqHead = 0;
+    const cur = this.curRecv;
+    this.curRecv = null;
+    if (cur !== null) this.completeRecv(cur, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, 0, 0);
+    for (let r = this.rq.shift(); r !== null; r = this.rq.shift()) this.completeRecv(r, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, 0, 0);
   }
 
   /** The QP is destroyed (it closes the stream itself). */
   destroy(): void {
     this.sock = null;
-    this.rq = [];
+    this.curRecv = null;
+    this.rq.clear();
   }
 
   /**
@@ -284,7 +311,11 @@ export class Responder {
     if (this.ackOwedRequests >= ACK_EAGER_REQUESTS) return this.flushAck();
     if (this.ackScheduled) return;
     this.ackScheduled = true;
-    setImmediate(this.ackAtTurnEnd);
+    dueAcks.add(this);
+    if (!dueAcksScheduled) {
+      dueAcksScheduled = true;
+      setImmediate(acksAtTurnEnd);
+    }
   }
 
   /**
@@ -303,69 +334,68 @@ export class Responder {
     else this.respond(FrameType.ACK, (this.ePsn - 1) & PSN_MASK, Syndrome.ACK, 0, 0, null);
   }
 
-  private readonly ackAtTurnEnd = (): void => {
+  /** The end of the turn in which an ACK was scheduled (acksAtTurnEnd). */
+  ackAtTurnEnd(): void {
     this.ackScheduled = false;
     if (this.qp.state === QpState.RTS) this.flushAck();
-  };
+  }
 
   /** NAK and move the responder to ERR (class C/D errors in IBA terms). */
   private nak(psn: number, syndrome: number, reason: string): void {
     this.flushAck();
     this.respond(FrameType.ACK, psn, syndrome, 0, 0, null);
-    this.reader?.place(null);
+    this.reader?.discard();
     this.respDiscard = true;
     this.qp.enterError(reason, true);
   }
 
   // -------------------------------------------------------------- requests
 
-  /** Resolve a remote access: the bytes, or null after sending the NAK. */
-  private remoteView(h: DecodedHeader, len: number, need: number): Uint8Array | null {
-    if (len === 0) return new Uint8Array(0);
-    const t = this.qp.pd.device.keys.get(h.rkey);
-    let view: Uint8Array | null = null;
-    this.remoteGuard = null;
+  /**
+   * Resolves a remote access into remoteMr/remoteOff (and remoteWin/remoteKey
+   * through a window); false after sending the NAK. A zero-length access
+   * names no memory (remoteMr null).
+   */
+  private remoteTarget(h: DecodedHeader, len: number, need: number): boolean {
     this.remoteMr = null;
+    this.remoteOff = 0;
+    this.remoteWin = null;
+    if (len === 0) return true;
+    const t = this.qp.pd.device.keys.get(h.rkey);
     if (t && t.pd === this.qp.pd) {
       if ("lkey" in t) {
         const off = h.raddr - t.addr;
-        if (!t.deregistered && t.access & need && off >= 0 && off + len <= t.length) {
-          view = t.view.subarray(off, off + len);
+        if (!t.unusable && t.access & need && off >= 0 && off + len <= t.length) {
           this.remoteMr = t;
-          this.remoteGuard = () => !t.deregistered;
+          this.remoteOff = off;
         }
-      } else if (t.mr && (t.type === 1 || t.qp === this.qp) && t.access & need && h.raddr >= t.addr && h.raddr + len <= t.addr + t.length) {
-        const off = h.raddr - t.mr.addr;
-        view = t.mr.view.subarray(off, off + len);
-        const mr = t.mr;
-        this.remoteMr = mr;
-        const key = h.rkey;
+      } else if (t.mr && !t.mr.unusable && (t.type === 1 || t.qp === this.qp) && t.access & need && h.raddr >= t.addr && h.raddr + len <= t.addr + t.length) {
+        this.remoteMr = t.mr;
+        this.remoteOff = h.raddr - t.mr.addr;
         // The window may be invalidated or its MR deregistered mid-payload.
-        this.remoteGuard = () => !mr.deregistered && t.rkey === key;
+        this.remoteWin = t;
+        this.remoteKey = h.rkey;
       }
     }
-    if (view === null) this.nak(h.psn, Syndrome.NAK_REM_ACCESS, `remote access denied: rkey 0x${h.rkey.toString(16)} [0x${h.raddr.toString(16)}, +${len})`);
-    return view;
+    if (this.remoteMr !== null) return true;
+    this.nak(h.psn, Syndrome.NAK_REM_ACCESS, `remote access denied: rkey 0x${h.rkey.toString(16)} [0x${h.raddr.toString(16)}, +${len})`);
+    return false;
   }
 
   private takeRecv(h: DecodedHeader, len: number): RqEntry | null | "rnr" {
-    if (this.rqHead >= this.rq.length) {
+    const r = this.rq.shift();
+    if (r === null) {
       // Receiver not ready: NAK with our RNR timer; the requester resends from this PSN.
       this.flushAck();
       this.respond(FrameType.ACK, h.psn, Syndrome.RNR_NAK, 0, this.minRnrTimer, null);
       this.rnrNakPsn = h.psn;
-      this.reader?.place(null);
+      this.reader?.discard();
       return "rnr";
     }
-    const r = this.rq[this.rqHead++]!;
-    if (this.rqHead > 1024 && this.rqHead * 2 > this.rq.length) {
-      this.rq = this.rq.slice(this.rqHead);
-      this.rqHead = 0;
-    }
     let cap = 0;
-    for (const s of r.sges) cap += s.length;
+    for (let k = 0; k < r.nsge; k++) cap += r.sges[k]!.length;
     if (len > cap) {
-      this.qp.recvCq.push(r.wrId, WcStatus.LOC_LEN_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
+      this.completeRecv(r, WcStatus.LOC_LEN_ERR, WcOpcode.RECV, 0, 0, 0);
       this.nak(h.psn, Syndrome.NAK_INV_REQ, `a ${len}-byte message does not fit the ${cap}-byte receive buffer`);
       return null;
     }
@@ -377,13 +407,13 @@ export class Responder {
     // The ACK for our own requests counts even when the request carrying it is discarded (RNR, ERR).
     if (h.flags & FrameFlags.ACK && this.qp.state === QpState.RTS) this.onPiggybackedAck(h.op2Lo);
     if (this.qp.state !== QpState.RTS) {
-      reader.place(null);
+      reader.discard();
       this.respDiscard = true;
       return;
     }
     if (this.rnrNakPsn >= 0) {
       if (h.psn !== this.rnrNakPsn) {
-        reader.place(null);
+        reader.discard();
         this.respDiscard = true;
         return;
       }
@@ -402,28 +432,26 @@ export class Responder {
           return;
         }
         if (r === null) return;
-        const targets: Uint8Array[] = [];
+        reader.placeBegin();
         let left = h.payloadLen;
-        const resolved: TcpMr[] = [];
-        for (const s of r.sges) {
-          if (left === 0) break;
-          const v = localView(this.qp.pd, s, true, resolved);
-          if (v === null) {
-            this.qp.recvCq.push(r.wrId, WcStatus.LOC_PROT_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
+        for (let k = 0; k < r.nsge && left > 0; k++) {
+          const s = r.sges[k]!;
+          if (s.length === 0) continue;
+          const mr = sgeMr(this.qp.pd, s, true);
+          if (mr === null) {
+            this.completeRecv(r, WcStatus.LOC_PROT_ERR, WcOpcode.RECV, 0, 0, 0);
             return this.nak(h.psn, Syndrome.NAK_REM_OP, "receive buffer is not inside a registered MR with LOCAL_WRITE");
           }
-          const take = Math.min(left, v.length);
-          targets.push(take === v.length ? v : v.subarray(0, take));
+          const take = Math.min(left, s.length);
+          reader.placeSeg(mr, s.addr - mr.addr, take);
           left -= take;
         }
         this.curRecv = r;
-        reader.place(targets, mrsAlive(resolved));
         return;
       }
       case FrameType.WRITE: {
         if (!(this.access & Access.REMOTE_WRITE)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote write");
-        const v = this.remoteView(h, h.payloadLen, Access.REMOTE_WRITE);
-        if (v === null) return;
+        if (!this.remoteTarget(h, h.payloadLen, Access.REMOTE_WRITE)) return;
         if (h.flags & FrameFlags.IMM) {
           const r = this.takeRecv(h, 0);
           if (r === "rnr") {
@@ -434,17 +462,23 @@ export class Responder {
           this.curRecv = r;
           this.curWriteImm = true;
         }
-        reader.place([v], this.remoteGuard);
+        reader.placeBegin();
+        const mr = this.remoteMr;
+        if (mr !== null) {
+          reader.placeSeg(mr, this.remoteOff, h.payloadLen);
+          if (this.remoteWin !== null) reader.placeWindow(this.remoteWin, this.remoteKey);
+        }
         return;
       }
       case FrameType.READ_REQ: {
         if (!this.responderResource(h)) return;
         if (!(this.access & Access.REMOTE_READ)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote read");
-        const v = this.remoteView(h, h.aux, Access.REMOTE_READ);
-        if (v === null) return;
+        if (!this.remoteTarget(h, h.aux, Access.REMOTE_READ)) return;
+        const mr = this.remoteMr;
+        const v = mr === null ? NO_BYTES : mr.view.subarray(this.remoteOff, this.remoteOff + h.aux);
         // The response acknowledges everything before it.
         this.clearAckOwed();
-        this.respond(FrameType.READ_RESP, h.psn, 0, 0, 0, v, this.remoteMr);
+        this.respond(FrameType.READ_RESP, h.psn, 0, 0, 0, v, mr);
         return;
       }
       case FrameType.ATOMIC: {
@@ -452,13 +486,14 @@ export class Responder {
         if (!(this.access & Access.REMOTE_ATOMIC)) return this.nak(h.psn, Syndrome.NAK_INV_REQ, "QP does not allow remote atomics");
         // IBA: atomics need an 8-byte aligned target; rxe answers a misaligned one with NAK invalid request.
         if (h.raddr % 8 !== 0) return this.nak(h.psn, Syndrome.NAK_INV_REQ, `atomic target 0x${h.raddr.toString(16)} is not 8-byte aligned`);
-        const v = this.remoteView(h, 8, Access.REMOTE_ATOMIC);
-        if (v === null) return;
-        const dv = new DataView(v.buffer, v.byteOffset, 8);
-        const orig = dv.getBigUint64(0, true);
+        if (!this.remoteTarget(h, 8, Access.REMOTE_ATOMIC)) return;
+        const mr = this.remoteMr!;
+        const dv = dvOf(mr.view, mr.dvc);
+        const at = mr.view.byteOffset + this.remoteOff;
+        const orig = dv.getBigUint64(at, true);
         if (h.aux === 0) {
-          if (orig === h.op1) dv.setBigUint64(0, h.op2, true);
-        } else dv.setBigUint64(0, BigInt.asUintN(64, orig + h.op1), true);
+          if (orig === h.op1) dv.setBigUint64(at, h.op2, true);
+        } else dv.setBigUint64(at, BigInt.asUintN(64, orig + h.op1), true);
         this.clearAckOwed();
         this.respond(FrameType.ATOMIC_RESP, h.psn, 0, orig, 0, null);
         return;
@@ -498,8 +533,9 @@ export class Responder {
   /** The target of an incoming WRITE/SEND went away mid-payload: remote access error, as an HCA would answer. */
   onRequestRevoked(h: DecodedHeader): void {
     if (this.respDiscard || this.qp.state !== QpState.RTS) return;
-    if (this.curRecv) this.qp.recvCq.push(this.curRecv.wrId, WcStatus.LOC_PROT_ERR, WcOpcode.RECV, 0, 0, 0, this.qp.qpNum);
+    const r = this.curRecv;
     this.curRecv = null;
+    if (r !== null) this.completeRecv(r, WcStatus.LOC_PROT_ERR, WcOpcode.RECV, 0, 0, 0);
     this.nak(h.psn, h.type === FrameType.SEND ? Syndrome.NAK_REM_OP : Syndrome.NAK_REM_ACCESS, "target memory was deregistered while its data arrived");
   }
 
@@ -512,7 +548,7 @@ export class Responder {
       const imm = h.flags & FrameFlags.IMM ? h.imm : 0;
       const flags = h.flags & FrameFlags.IMM ? WcFlags.WITH_IMM : 0;
       const op = this.curWriteImm ? WcOpcode.RECV_RDMA_WITH_IMM : WcOpcode.RECV;
-      this.qp.recvCq.push(r.wrId, WcStatus.SUCCESS, op, flags, h.payloadLen, imm, this.qp.qpNum);
+      this.completeRecv(r, WcStatus.SUCCESS, op, flags, h.payloadLen, imm);
     }
     if (h.type === FrameType.SEND || h.type === FrameType.WRITE) {
       this.ackPending = h.psn;
