@@ -84,6 +84,24 @@ describe("async-rdma CLI conventions", () => {
     assert.equal(r.out.match(/^ [248] +100 /gm)?.length, 3, r.out);
   });
 
+  it("issue 21: perf -r sets each side's receive depth (perftest's -r, default 512); out of range is a usage error", async () => {
+    const server = spawnNode(main, ["perf", "send_bw", "-p", "0", "--provider", "tcp", "-r", "64"], "perf server");
+    try {
+      const port = (await server.waitFor(/port (\d+)/, 20_000))[1]!;
+      const r = spawnSync(process.execPath, [main, "perf", "send_bw", "127.0.0.1", "-p", port, "--sizes", "64,4096", "-n", "2000", "--provider", "tcp", "-r", "64"], { encoding: "utf8", timeout: 60_000 });
+      await server.exited(20_000);
+      assert.equal(r.status, 0, r.stderr);
+      assert.match(r.stdout, /RX depth +: 64 /);
+      assert.equal(r.stdout.match(/^ (64|4096) +2000 /gm)?.length, 2, r.stdout);
+    } finally {
+      server.child.kill();
+    }
+    const d = cli("perf", "send_bw", "-r", "4");
+    assert.equal(d.status, 2);
+    assert.match(d.stderr, /-r/);
+    assert.match(cli("perf", "--help").stdout, /-r, --rx-depth N .*default 512/);
+  });
+
   const hasScript = spawnSync("script", ["--version"], { encoding: "utf8" }).status === 0;
   it("perf over several sizes shows progress on a terminal, erased before each row", { skip: hasScript ? false : "no script(1) to give the client a terminal" }, async () => {
     const r = await perfRun(true);

@@ -9,6 +9,8 @@ export type PerfTest = (typeof PERF_TESTS)[number];
 export const CTRL_IMM = 0x70657266; // "perf"
 export const PROTOCOL = 1;
 export const DEFAULT_PORT = 18515;
+/** perftest's default receive depth (ib_send_bw -r). */
+export const DEFAULT_RX_DEPTH = 512;
 export const MAX_SIZE = 1 << 26; // the default remote-memory quota per connection (64 MiB)
 export const LEASE_MS = 3_600_000;
 export const TIMEOUT_MS = 30_000;
@@ -24,6 +26,7 @@ export const PERF_USAGE = `usage: async-rdma perf <test> [server-address] [optio
   -D, --duration SECONDS  run for this long instead of -n iterations
   -q, --qp N              connections (bandwidth tests; default 1)
   -t, --tx-depth N        operations in flight per connection (bandwidth; default 128)
+  -r, --rx-depth N        receive buffers per connection at most (default 512, as perftest; both sides)
   -d, --ib-dev NAME       device (e.g. rxe0)
   -x, --gid-index N       GID index (verbs)
   -p, --port PORT         side-channel port (default ${DEFAULT_PORT}; 0 = any, the server prints it)
@@ -35,7 +38,7 @@ export const PERF_USAGE = `usage: async-rdma perf <test> [server-address] [optio
       --plot FILE.svg     with -a: bandwidth or latency vs size as an SVG (client side)
   -h, --help
   The client's parameters apply to both sides; the server takes only the test,
-  -p, -d, -x, --provider, --polling and --json.`;
+  -p, -d, -x, -r, --provider, --polling and --json.`;
 
 export class PerfUsageError extends Error {}
 
@@ -51,6 +54,8 @@ export interface PerfOptions {
   duration: number | null;
   qps: number;
   txDepth: number;
+  /** Receive depth of each side's connections (setRecvDepth): how many messages its peer may have in flight to it. */
+  rxDepth: number;
   device: string | null;
   gidIndex: number | null;
   gbits: boolean;
@@ -76,7 +81,7 @@ export function intArg(flag: string, v: string | undefined, min: number, max: nu
 
 /** Parses perftest-style arguments; throws PerfUsageError on anything wrong. */
 export function parsePerfArgs(argv: string[]): PerfOptions {
-  const o: PerfOptions = { test: "write_bw", server: null, port: DEFAULT_PORT, size: null, iters: null, all: false, sizes: null, warmup: null, duration: null, qps: 1, txDepth: 128, device: null, gidIndex: null, gbits: false, provider: "auto", polling: null, writeImm: false, json: false, plot: null };
+  const o: PerfOptions = { test: "write_bw", server: null, port: DEFAULT_PORT, size: null, iters: null, all: false, sizes: null, warmup: null, duration: null, qps: 1, txDepth: 128, rxDepth: DEFAULT_RX_DEPTH, device: null, gidIndex: null, gbits: false, provider: "auto", polling: null, writeImm: false, json: false, plot: null };
   const pos: string[] = [];
   let durationSet = false;
   for (let i = 0; i < argv.length; i++) {
@@ -126,6 +131,10 @@ export function parsePerfArgs(argv: string[]): PerfOptions {
       case "--tx-depth":
         o.txDepth = intArg(a, val(), 1, 16384);
         break;
+      case "-r":
+      case "--rx-depth":
+        o.rxDepth = intArg(a, val(), 8, 65536);
+        break;
       case "-d":
       case "--ib-dev": {
         const v = val();
@@ -174,7 +183,7 @@ export function parsePerfArgs(argv: string[]): PerfOptions {
         if (a.startsWith("-")) throw new PerfUsageError(`unknown option ${a}`);
         pos.push(a);
     }
-    if (inline !== undefined && !["-s", "--size", "-n", "--iters", "-D", "--duration", "-q", "--qp", "-t", "--tx-depth", "-d", "--ib-dev", "-x", "--gid-index", "-p", "--port", "--provider", "--polling", "--plot", "--sizes", "--warmup"].includes(a)) {
+    if (inline !== undefined && !["-s", "--size", "-n", "--iters", "-D", "--duration", "-q", "--qp", "-t", "--tx-depth", "-r", "--rx-depth", "-d", "--ib-dev", "-x", "--gid-index", "-p", "--port", "--provider", "--polling", "--plot", "--sizes", "--warmup"].includes(a)) {
       throw new PerfUsageError(`${a} takes no value`);
     }
   }

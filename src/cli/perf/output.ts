@@ -34,7 +34,7 @@ export function header(o: PerfOptions, role: string, rdma: Rdma, qps: number, tx
   out(` Provider        : ${rdma.provider.padEnd(14)} Device         : ${rdma.deviceName}`);
   out(` Number of qps   : ${String(qps).padEnd(14)} Transport type : RC (async-rdma)`);
   out(` Role            : ${role.padEnd(14)} ${lat ? "Iteration" : "TX depth      "} : ${lat ? "one operation at a time" : txDepth}`);
-  out(` Memory          : ${extra}`);
+  out(` RX depth        : ${String(o.rxDepth).padEnd(14)} Memory         : ${extra}`);
   out(RULE);
   if (lat) out(" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] ");
   else {

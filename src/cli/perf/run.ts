@@ -31,6 +31,7 @@ export function builderFor(o: PerfOptions): RdmaBuilder {
   if (o.gidIndex !== null) b.setGidIndex(o.gidIndex);
   if (o.polling !== null) b.setPolling(o.polling);
   if (o.txDepth > 256) b.setQpCaps({ maxSendWr: o.txDepth + 16 });
+  b.setRecvDepth(o.rxDepth);
   return b;
 }
 
@@ -58,7 +59,7 @@ export async function runServer(opts: PerfOptions): Promise<void> {
     await sendCtrl(c0, { type: "hello_ok", provider: c0.provider });
     for (let i = 1; i < qps; i++) conns.push(await listener.accept({ timeoutMs: TIMEOUT_MS }));
     const s: Session = { o, conns, role: "server", txDepth: num(hello, "txDepth"), writeImm: hello.writeImm === true };
-    header(o, "server", c0, qps, s.txDepth, o.test === "write_lat" && !s.writeImm ? "lends its buffer (sendLocalMr) and polls it" : "granted to the client (requestRemoteMr)");
+    header(o, "server", c0, qps, s.txDepth, o.test === "write_lat" && !s.writeImm ? "lends its buffer (sendLocalMr) and polls it" : o.test === "send_bw" || o.test === "send_lat" ? "posted receives (two-sided)" : "granted to the client (requestRemoteMr)");
     for (;;) {
       const m = await recvCtrl(c0);
       if (m.type === "end") break;
