@@ -15,26 +15,39 @@ import { CALL, callIds, EMPTY, HDR, writeFrame } from "./frame.js";
 /**
  * Frames are gathered into one message up to the peer's eager threshold
  * (rdma.peerEagerThreshold: the batch is one SEND, never a rendezvous), its
- * maxMessageSize, or 4 KiB, whichever is least; a larger frame travels alone.
- * The connection's default eager threshold leaves 64 bytes beyond 4 KiB for
- * this framing, so a 4 KiB call alone is still one eager message.
+ * maxMessageSize, or MAX_BATCH_BYTES, whichever is least; a larger frame
+ * travels alone. The connection's default eager threshold leaves 64 bytes
+ * beyond 4 KiB for this framing, so a 4 KiB call alone is still one eager
+ * message; a peer that raised its threshold (setEagerThreshold) gets larger
+ * batches, so calls of a few KiB travel several to a message.
  */
 const MIN_BATCH_BYTES = 256;
+/** The largest batch, whatever the peer's threshold (up to 1 MiB). */
+const MAX_BATCH_BYTES = 64 * 1024 + 64;
 /**
- * And at most this: a batch buffer is registered memory held until its send
- * completes, so its size must not follow a peer's advertised threshold (up
- * to 1 MiB) — 128 small replies the peer never takes would pin 128 buffers.
- * The default eager threshold (4 KiB + 64) fits: a 4 KiB call's frame
- * (4,112 bytes) takes a reused batch buffer, never a fresh registration.
+ * Batch buffers are this small once the large ones' budget is spent: a batch
+ * buffer is registered memory held until its send completes, so its size
+ * must not follow a peer's threshold without bound — 128 small replies a
+ * peer never takes would pin 128 buffers. The default eager threshold
+ * (4 KiB + 64) fits: a 4 KiB call's frame (4,112 bytes) takes a reused small
+ * buffer, never a fresh registration.
  */
-const MAX_BATCH_BYTES = 4096 + 64;
+const SMALL_BATCH_BYTES = 4096 + 64;
 /**
- * Batch buffers kept for reuse per connection (each one batch, registered):
- * enough for the sends a window of calls keeps in flight (the peer's receive
- * depth, 32 by default), so a steady stream of 4 KiB calls registers nothing.
- * Kept only after a burst needed them: at most 32 × 4,160 bytes.
+ * Small batch buffers kept for reuse per connection (each one batch,
+ * registered): enough for the sends a window of calls keeps in flight (the
+ * peer's receive depth, 32 by default), so a steady stream of 4 KiB calls
+ * registers nothing. Kept only after a burst needed them: at most 32 × 4,160
+ * bytes.
  */
 const SPARE_BUFFERS = 32;
+/**
+ * Buffers larger than SMALL_BATCH_BYTES (when the peer's threshold is larger)
+ * are taken only while those allocated, in flight or kept for reuse, total at
+ * most this many bytes: whatever the peer does, large batches pin no more;
+ * past it, frames go in small buffers.
+ */
+const LARGE_BATCH_BUDGET = 512 * 1024;
 
 /** What an Outbox reports to its owner. */
 export interface OutboxHost {
@@ -52,6 +65,10 @@ interface Batch {
   /** Bytes written. */
   len: number;
   frames: number;
+  /** Bytes frames may fill (0: a buffer of one frame's size, which no other frame joins). */
+  cap: number;
+  /** A large batch buffer (counted in largeBytes). */
+  large: boolean;
 }
 
 /**
@@ -69,9 +86,14 @@ export class Outbox {
   unsentFrames = 0;
   /** Their bytes. */
   unsentBytes = 0;
-  /** Registered batch buffers whose send completed: reused, so a batch costs no allocation or registration. */
+  /** Small batch buffers whose send completed: reused, so a batch costs no allocation or registration. */
   private readonly spare: LocalMr[] = [];
+  /** Large ones likewise. */
+  private readonly spareLarge: LocalMr[] = [];
+  /** Bytes of the large batch buffers allocated and not freed (in use or spare): at most LARGE_BATCH_BUDGET. */
+  private largeBytes = 0;
   private readonly batchMax: number;
+  private readonly smallMax: number;
 
   constructor(
     private readonly rdma: Rdma,
@@ -80,6 +102,7 @@ export class Outbox {
     peerMax: number,
   ) {
     this.batchMax = Math.min(peerMax, MAX_BATCH_BYTES, Math.max(MIN_BATCH_BYTES, rdma.peerEagerThreshold));
+    this.smallMax = Math.min(this.batchMax, SMALL_BATCH_BYTES);
   }
 
   /** A frame encoded already (errors, cancels). */
@@ -103,6 +126,17 @@ export class Outbox {
   /** The connection ended: the spare buffers go back to it. */
   close(): void {
     for (const m of this.spare.splice(0)) m[Symbol.dispose]();
+    for (const m of this.spareLarge.splice(0)) this.freeLarge(m);
+  }
+
+  /** Bytes of large batch buffers allocated now (tests read it: never above LARGE_BATCH_BUDGET). */
+  get largeBatchBytes(): number {
+    return this.largeBytes;
+  }
+
+  private freeLarge(m: LocalMr): void {
+    this.largeBytes -= m.length;
+    m[Symbol.dispose]();
   }
 
   /**
@@ -121,16 +155,24 @@ export class Outbox {
       this.failure = new RdmaError("CONNECTION_CLOSED", "rpc: the connection is closed");
       return null;
     }
-    if (last !== null && last.buf.length === this.batchMax && last.len + n <= this.batchMax) return last;
+    if (last !== null && last.len + n <= last.cap) return last;
+    // Large while the budget lasts (spares are in it already), else small (see LARGE_BATCH_BUDGET).
+    const large = n <= this.batchMax && this.batchMax > this.smallMax && (this.spareLarge.length > 0 || this.largeBytes + this.batchMax <= LARGE_BATCH_BUDGET);
+    const cap = large ? this.batchMax : n <= this.smallMax ? this.smallMax : 0;
     let buf: LocalMr | undefined;
     try {
-      buf = n <= this.batchMax ? this.spare.pop() : undefined;
+      const spares = large ? this.spareLarge : this.spare;
+      buf = cap > 0 ? spares.pop() : undefined;
       // A spare freed with its connection's memory: the allocation below says why (CONNECTION_CLOSED).
       if (buf?.disposed) {
-        this.spare.length = 0;
+        if (large) for (const m of [buf, ...spares.splice(0)]) this.largeBytes -= m.length;
+        spares.length = 0;
         buf = undefined;
       }
-      buf ??= this.rdma.allocLocalMr(Math.max(n, this.batchMax));
+      if (buf === undefined) {
+        buf = this.rdma.allocLocalMr(cap > 0 ? cap : n);
+        if (large) this.largeBytes += buf.length;
+      }
     } catch (e) {
       this.settled(1, n);
       // A closing connection: its receive loop ends every call with CONNECTION_CLOSED.
@@ -138,7 +180,7 @@ export class Outbox {
       else this.host.failed(e, callId < 0 ? [] : [callId]);
       return null;
     }
-    const b: Batch = { buf, bytes: buf.bytes, len: 0, frames: 0 };
+    const b: Batch = { buf, bytes: buf.bytes, len: 0, frames: 0, cap, large };
     this.batches.push(b);
     if (!this.scheduled) {
       this.scheduled = true;
@@ -160,6 +202,18 @@ export class Outbox {
     for (const b of batches) this.out(b);
   }
 
+  /** A batch buffer whose send settled (`sent`: completed; else failed, or never made): kept for reuse, or freed. */
+  private done(b: Batch, sent: boolean): void {
+    const m = b.buf;
+    const keep = sent && !this.failure && !m.disposed;
+    // Large spares are within the budget already (largeBytes counts them).
+    if (b.large) {
+      if (keep) this.spareLarge.push(m);
+      else this.freeLarge(m);
+    } else if (keep && b.cap > 0 && this.spare.length < SPARE_BUFFERS) this.spare.push(m);
+    else m[Symbol.dispose]();
+  }
+
   private out(b: Batch): void {
     const { buf: whole, len: o, frames: count } = b;
     let msg: LocalMr;
@@ -168,16 +222,15 @@ export class Outbox {
       // The connection may have ended (its memory with it) between the push and this flush.
       msg = o === whole.length ? whole : whole.slice(0, o);
     } catch (e) {
-      whole[Symbol.dispose]();
+      this.failure ??= e instanceof RdmaError ? e : new RdmaError("CONNECTION_CLOSED", "rpc: the connection is closed");
+      this.done(b, false);
       this.settled(count, o);
       // Its receive loop (client) or serve() (server) ends what the frames belonged to.
-      this.failure ??= e instanceof RdmaError ? e : new RdmaError("CONNECTION_CLOSED", "rpc: the connection is closed");
       return;
     }
     this.rdma.send(msg).then(
       () => {
-        if (whole.length === this.batchMax && !this.failure && this.spare.length < SPARE_BUFFERS) this.spare.push(whole);
-        else whole[Symbol.dispose]();
+        this.done(b, true);
         this.settled(count, o);
       },
       (e: unknown) => {
@@ -189,7 +242,7 @@ export class Outbox {
             /* the memory went with the connection */
           }
         }
-        whole[Symbol.dispose]();
+        this.done(b, false);
         this.settled(count, o);
         if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") return;
         this.host.failed(e, ids);
