@@ -10,7 +10,13 @@
 // calls without it measures mostly V8 compiling the library's code (the
 // library has more of it than the ~30 lines of the reference).
 //
-//   node bench/rpc-vs-node.mjs [--runs 3] [--calls 20000] [--warmup-ms 2000] [--sizes 32,4096] [--provider tcp|verbs]
+// --eager BYTES sets our eager threshold on both sides (default: the
+// library's, 4 KiB + 64): RPC calls travel batched up to it. --layer sendrecv
+// measures, instead of async-rdma/rpc, the same echo written on rdma.send()
+// and rdma.receive() (the server sends each message it receives back; the
+// client keeps the concurrency's worth of send-then-receive in flight).
+//
+//   node bench/rpc-vs-node.mjs [--runs 3] [--calls 20000] [--warmup-ms 2000] [--sizes 32,4096] [--provider tcp|verbs] [--eager BYTES] [--layer rpc|sendrecv]
 //
 // A program that reports: it never fails on a number.
 import { spawn } from "node:child_process";
@@ -23,6 +29,10 @@ const CALLS = Number(args.calls ?? 20000);
 const WARMUP_MS = Number(args["warmup-ms"] ?? 2000);
 const SIZES = String(args.sizes ?? "32,4096").split(",").map(Number);
 const PROVIDER = args.provider ?? process.env.ASYNC_RDMA_PROVIDER ?? "tcp";
+const EAGER = args.eager ?? process.env.RPC_BENCH_EAGER;
+const LAYER = args.layer ?? process.env.RPC_BENCH_LAYER ?? "rpc";
+if (LAYER !== "rpc" && LAYER !== "sendrecv") throw new Error("--layer rpc|sendrecv");
+const builder = (B) => (EAGER === undefined ? new B().setProvider(PROVIDER) : new B().setProvider(PROVIDER).setEagerThreshold(Number(EAGER)));
 const self = fileURLToPath(import.meta.url);
 const dist = new URL("../dist/src/", import.meta.url);
 
@@ -31,9 +41,25 @@ if (process.argv[2] === "--serve") {
   if (kind === "rdma") {
     const { RdmaBuilder } = await import(new URL("index.js", dist));
     const { RpcServer } = await import(new URL("rpc/index.js", dist));
-    const l = await new RdmaBuilder().setProvider(PROVIDER).bind("127.0.0.1:0");
+    const l = await builder(RdmaBuilder).bind("127.0.0.1:0");
     console.log(`port ${l.port}`);
-    await new RpcServer({ echo: (b) => b }).listen(l);
+    if (LAYER === "rpc") await new RpcServer({ echo: (b) => b }).listen(l);
+    else {
+      for (;;) {
+        const rdma = await l.accept();
+        void (async () => {
+          for (;;) {
+            let m;
+            try {
+              m = await rdma.receive();
+            } catch {
+              return; // the client closed
+            }
+            rdma.send(m).then(() => m[Symbol.dispose](), () => m[Symbol.dispose]());
+          }
+        })();
+      }
+    }
   } else {
     const srv = net.createServer({ noDelay: true }, (s) => {
       let buf = Buffer.alloc(0);
@@ -54,7 +80,7 @@ if (process.argv[2] === "--serve") {
   }
 } else {
   const server = async (kind) => {
-    const p = spawn(process.execPath, [self, "--serve", kind], { stdio: ["ignore", "pipe", "inherit"], env: { ...process.env, ASYNC_RDMA_PROVIDER: PROVIDER } });
+    const p = spawn(process.execPath, [self, "--serve", kind], { stdio: ["ignore", "pipe", "inherit"], env: { ...process.env, ASYNC_RDMA_PROVIDER: PROVIDER, RPC_BENCH_LAYER: LAYER, ...(EAGER === undefined ? {} : { RPC_BENCH_EAGER: String(EAGER) }) } });
     const port = await new Promise((res, rej) => {
       p.stdout.on("data", (d) => {
         const m = /port (\d+)/.exec(d.toString());
@@ -67,7 +93,17 @@ if (process.argv[2] === "--serve") {
   async function rdmaClient(port) {
     const { RdmaBuilder } = await import(new URL("index.js", dist));
     const { RpcClient } = await import(new URL("rpc/index.js", dist));
-    const c = new RpcClient(await new RdmaBuilder().setProvider(PROVIDER).connect(`127.0.0.1:${port}`));
+    const rdma = await builder(RdmaBuilder).connect(`127.0.0.1:${port}`);
+    if (LAYER === "sendrecv") {
+      return {
+        call: async (b) => {
+          await rdma.send(b);
+          (await rdma.receive())[Symbol.dispose]();
+        },
+        close: () => rdma.close(),
+      };
+    }
+    const c = new RpcClient(rdma);
     return { call: (b) => c.call("echo", b), close: () => c.close() };
   }
   async function nodeClient(port) {
@@ -128,8 +164,8 @@ if (process.argv[2] === "--serve") {
     return { rate: CALLS / secs, p50: lat[Math.floor(lat.length * 0.5)], p99: lat[Math.floor(lat.length * 0.99)] };
   }
   const med = (xs) => xs.slice().sort((a, b) => a - b)[Math.floor(xs.length / 2)];
-  console.log(`# rpc echo, ${CALLS} calls after ${WARMUP_MS} ms of warm-up, ${RUNS} runs (medians), provider ${PROVIDER}; load ${(await import("node:os")).loadavg()[0].toFixed(2)}`);
-  console.log("| payload | concurrency | async-rdma/rpc calls/s | p50 ms | p99 ms | node socket calls/s | p50 ms | p99 ms | ratio |");
+  console.log(`# ${LAYER === "rpc" ? "rpc" : "send/receive"} echo, ${CALLS} calls after ${WARMUP_MS} ms of warm-up, ${RUNS} runs (medians), provider ${PROVIDER}${EAGER === undefined ? "" : `, eager threshold ${EAGER} B both sides`}; load ${(await import("node:os")).loadavg()[0].toFixed(2)}`);
+  console.log(`| payload | concurrency | ${LAYER === "rpc" ? "async-rdma/rpc" : "send/receive"} calls/s | p50 ms | p99 ms | node socket calls/s | p50 ms | p99 ms | ratio |`);
   console.log("|---|---|---|---|---|---|---|---|---|");
   for (const size of SIZES) {
     for (const conc of [1, 64]) {

@@ -5,7 +5,7 @@
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { RdmaError } from "../../src/index.js";
+import { RdmaError, type RdmaBuilder } from "../../src/index.js";
 import { RpcClient, RpcError, RpcServer } from "../../src/rpc/index.js";
 import { CM, PROVIDER, apiPair, eventually, pattern } from "../support/api.js";
 
@@ -49,7 +49,8 @@ describe(`rpc [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
     await served;
   });
 
-  it("10,000 calls in flight at once, sizes 0 B–1 MiB: handled in call order, every byte intact", async () => {
+  // At the default eager threshold, and at one that lets the RPC layer batch up to 64 KiB (large batch buffers, their budget, one-frame buffers).
+  for (const eager of [0, 65512]) it(`10,000 calls in flight at once, sizes 0 B–1 MiB: handled in call order, every byte intact (eager threshold ${eager === 0 ? "default" : eager})`, async () => {
     // Fewer in the Soft-RoCE guest (software emulation, one slow CPU): the same mix, 1,000 calls.
     const N = PROVIDER === "verbs" ? 1000 : 10_000;
     let seed = 0x9e3779b9;
@@ -61,7 +62,8 @@ describe(`rpc [${PROVIDER}, ${CM}]`, { timeout: 300_000 * SLOW }, () => {
     };
     // 90% small (0–4 KiB, eager), 10% log-uniform 4 KiB–1 MiB (rendezvous), both ends included.
     const sizes = Array.from({ length: N }, (_, i) => (i === 0 ? 0 : i === 1 ? 1 << 20 : rnd() < 0.9 ? Math.floor(rnd() * 4097) : Math.min(1 << 20, Math.floor(4096 * 2 ** (rnd() * 8.0001)))));
-    const p = await apiPair();
+    const set = (b: RdmaBuilder): RdmaBuilder => (eager === 0 ? b : b.setEagerThreshold(eager));
+    const p = await apiPair({ server: set, client: set });
     let next = 0;
     const server = new RpcServer({
       check: (b) => {
