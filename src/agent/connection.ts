@@ -63,6 +63,9 @@ export type { PollingMode };
 
 export type { ConnectionOptions, PeerParams } from "./options.js";
 
+/** Largest plain buffer send() copies behind the message's header (Connection.sendCopy): no staging memory. */
+export const SMALL_SEND_COPY = CTRL_BUF - HDR;
+
 /** @internal */
 export class Connection implements PartsHost {
   readonly qp: QueuePair;
@@ -293,6 +296,41 @@ export class Connection implements PartsHost {
     const p = this.rndv.send(lmr, imm, this.peer.eagerMax, signal);
     this.countSent(len);
     this.traffic.rendezvousSent++;
+    return p;
+  }
+
+  /**
+   * Two-sided send of a small plain buffer (at most SMALL_SEND_COPY bytes,
+   * and at most the peer's eager size: the caller checks): its bytes are
+   * copied behind the header, into one of the recycled header buffers, so
+   * the message costs no staging allocation, registration or detach.
+   */
+  sendCopy(data: ArrayBufferView, imm: number | undefined, signal: AbortSignal | undefined, what: string): Promise<void> {
+    this.checkOpen(what);
+    Connection.checkSignal(signal);
+    const len = data.byteLength;
+    if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
+    const op = signal === undefined ? this.ops.reusableOp() : newOp("msg");
+    const hdr = this.headers.take();
+    const a = hdr.alloc;
+    const buf = bytesOf(a.buffer);
+    encodeData(buf, len, imm, a.bufOffset);
+    if (len > 0) buf.set(new Uint8Array(data.buffer, data.byteOffset, len), a.bufOffset + HDR);
+    op.hdr = hdr;
+    const p = this.ops.track<void>(op, signal);
+    const r = this.lanes.record();
+    const h = r.one[0]!;
+    h.addr = a.addr;
+    h.length = HDR + len;
+    h.lkey = a.mr.lkey;
+    r.wr.sgList = r.one;
+    r.wr.flags = HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0;
+    r.op = op;
+    r.credit = 2;
+    r.hdr = hdr;
+    r.ordered = false;
+    this.lanes.enqueue(r);
+    this.countSent(len);
     return p;
   }
 

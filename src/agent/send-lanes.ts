@@ -29,8 +29,12 @@ import { bytesOf, put32 } from "./codec.js";
 import { newOp, type Op } from "./ops.js";
 import type { Traffic } from "./stats.js";
 
-/** Size of a control-message buffer (codec.ts messages fit in it). */
-export const CTRL_BUF = 64;
+/**
+ * Size of a control-message buffer: codec.ts messages fit in it, and so does
+ * a small message sent from a plain buffer (its header and bytes, copied:
+ * Connection.sendCopy).
+ */
+export const CTRL_BUF = 256;
 /** At least one signaled WR per this many, so the send queue drains under selective signaling. */
 export const SIGNAL_EVERY = 32;
 

@@ -3,7 +3,7 @@
  */
 import { RdmaError, checkInt } from "../errors.js";
 import { Access, WrOpcode } from "../transport/types.js";
-import type { Connection } from "../agent/connection.js";
+import { SMALL_SEND_COPY, type Connection } from "../agent/connection.js";
 import { LocalMemory, LocalMr, type RemoteMr, type RemoteAccess } from "../memory/mr.js";
 import type { PeerLimits } from "../agent/memory-protocol.js";
 import { checkAccess } from "../agent/shares.js";
@@ -142,7 +142,8 @@ export class Rdma {
    * Sends `data`; the peer gets it from receive(). Any length: large messages
    * go by rendezvous READ. A LocalMr is sent from where it is (zero-copy);
    * a Uint8Array, Buffer or DataView is copied into registered memory first
-   * (so it may be reused as soon as send() returns).
+   * (so it may be reused as soon as send() returns): up to 232 bytes,
+   * straight behind the message's header in a buffer the connection reuses.
    *
    * @example
    * await rdma.send(Buffer.from("hello"));
@@ -170,6 +171,8 @@ export class Rdma {
   private sendNow(data: unknown, imm: number | undefined, opts: OpOptions | undefined, what: string): Promise<void> {
     if (data instanceof LocalMr) return this.conn.send(localMrOf(this.conn, this.ctx.pd, data, "lmr", what), imm, signalOf(opts));
     const signal = signalOf(opts);
+    // Small: copied behind the message's header, no staging memory.
+    if (ArrayBuffer.isView(data) && data.byteLength <= SMALL_SEND_COPY && data.byteLength <= this.peerEagerThreshold) return this.conn.sendCopy(data, imm, signal, what);
     const lmr = staged(this.conn, data, what, (n) => this.allocLocalMr(n));
     // Eager: the operation pins the staged memory until it completes, so it is released now
     // (freed when the send settles) and the caller's promise is the operation's own.

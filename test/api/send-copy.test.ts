@@ -1,0 +1,109 @@
+/**
+ * send() of a small plain buffer (at most SMALL_SEND_COPY bytes) copies its
+ * bytes behind the message's header, in a recycled header buffer: no staging
+ * memory per message. Larger ones are staged as before. Either way the
+ * message is the same on the wire, the caller may reuse its buffer as soon
+ * as send() returns, and the peer's limits apply.
+ */
+import { describe, it } from "node:test";
+import assert from "node:assert/strict";
+import { RdmaError, type Rdma } from "../../src/index.js";
+import { SMALL_SEND_COPY } from "../../src/agent/connection.js";
+import { PROVIDER, pattern, withApiPair } from "../support/api.js";
+
+function code(c: string) {
+  return (e: unknown) => {
+    assert.ok(e instanceof RdmaError, `expected RdmaError, got ${String(e)}`);
+    assert.equal(e.code, c, e.message);
+    return true;
+  };
+}
+
+/** Counts the pool allocations `conn` makes while `fn` runs. */
+async function allocations(rdma: Rdma, fn: () => Promise<void>): Promise<number> {
+  const pool = (rdma as unknown as { ctx: { pool: { alloc: (...a: unknown[]) => unknown } } }).ctx.pool;
+  const alloc = pool.alloc;
+  let n = 0;
+  pool.alloc = (...a: unknown[]) => {
+    n++;
+    return alloc.apply(pool, a);
+  };
+  try {
+    await fn();
+  } finally {
+    pool.alloc = alloc;
+  }
+  return n;
+}
+
+describe(`send() of a small plain buffer [${PROVIDER}]`, () => {
+  it("sizes 0 to SMALL_SEND_COPY + 1 and beyond, from views at an offset, DataViews and Buffers, with and without immediate: every byte arrives, in order, though the caller reuses its buffer at once", () =>
+    withApiPair(async ({ server, client }) => {
+      assert.equal(SMALL_SEND_COPY, 232);
+      const sizes = [0, 1, 7, 40, 41, 100, SMALL_SEND_COPY - 1, SMALL_SEND_COPY, SMALL_SEND_COPY + 1, 1000, 4096];
+      const sends: Promise<void>[] = [];
+      sizes.forEach((n, i) => {
+        const backing = new Uint8Array(n + 16);
+        backing.set(pattern(n, i + 1), 8);
+        const kind = i % 3;
+        const data = kind === 0 ? backing.subarray(8, 8 + n) : kind === 1 ? new DataView(backing.buffer, 8, n) : Buffer.from(backing.buffer, 8, n);
+        sends.push(i % 2 === 0 ? client.send(data) : client.sendWithImm(data, 0x1000 + i));
+        // The bytes were taken when send() returned.
+        backing.fill(0xee);
+      });
+      for (let i = 0; i < sizes.length; i++) {
+        const { mr, imm } = await server.receiveWithImm();
+        using got = mr;
+        assert.equal(got.length, sizes[i], `message ${i}'s length`);
+        assert.deepEqual(got.bytes, pattern(sizes[i]!, i + 1), `message ${i} (${sizes[i]} bytes)`);
+        assert.equal(imm, i % 2 === 0 ? undefined : 0x1000 + i, `message ${i}'s immediate`);
+      }
+      await Promise.all(sends);
+    }));
+
+  it("no staging memory per small message: a second round of 100 sends takes no memory from the pool per message (larger ones do)", () =>
+    withApiPair(async ({ server, client }) => {
+      const round = async (n: number): Promise<void> => {
+        const sends = Array.from({ length: 100 }, (_, i) => client.send(pattern(n, i + 1)));
+        for (let i = 0; i < 100; i++) {
+          using got = await server.receive();
+          assert.deepEqual(got.bytes, pattern(n, i + 1));
+        }
+        await Promise.all(sends);
+      };
+      await round(SMALL_SEND_COPY); // the header buffers a round needs are made here
+      // None per message (staged, each would take one); a control message of the round (a CREDIT) may still take a header buffer.
+      const small = await allocations(client, () => round(SMALL_SEND_COPY));
+      assert.ok(small <= 4, `${small} pool allocations by 100 sends of SMALL_SEND_COPY bytes`);
+      assert.ok((await allocations(client, () => round(SMALL_SEND_COPY + 1))) >= 100, "a larger message is staged");
+    }));
+
+  it("the peer's limits still apply: over its maxMessageSize is OUT_OF_RANGE, over its eager threshold goes by rendezvous; an aborted signal or a closed connection rejects", async () => {
+    await withApiPair(
+      async ({ server, client }) => {
+        await assert.rejects(client.send(new Uint8Array(65)), code("OUT_OF_RANGE"));
+        const ok = client.send(pattern(64, 3));
+        using got = await server.receive();
+        assert.deepEqual(got.bytes, pattern(64, 3));
+        await ok;
+      },
+      { server: (b) => b.setMaxMessageSize(64) },
+    );
+    await withApiPair(
+      async ({ server, client }) => {
+        const before = client.stats().rendezvousSent;
+        const sends = [client.send(pattern(32, 1)), client.send(pattern(33, 2))];
+        using a = await server.receive();
+        using b = await server.receive();
+        assert.deepEqual(a.bytes, pattern(32, 1));
+        assert.deepEqual(b.bytes, pattern(33, 2));
+        await Promise.all(sends);
+        assert.equal(client.stats().rendezvousSent - before, 1, "the 33-byte message went by rendezvous");
+        await assert.rejects(client.send(new Uint8Array(8), { signal: AbortSignal.abort() }), code("ABORTED"));
+        await client.close();
+        await assert.rejects(client.send(new Uint8Array(8)), (e: unknown) => e instanceof RdmaError);
+      },
+      { server: (b) => b.setEagerThreshold(32) },
+    );
+  });
+});
