@@ -24,7 +24,7 @@
  */
 import { RdmaError } from "../errors.js";
 import { Access, WrOpcode, SendFlags, type MemoryRegion } from "../transport/types.js";
-import { LocalMemory, LocalMr } from "../memory/mr.js";
+import { LocalMemory, LocalMr, peekBytes } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
 import { abortError } from "./queue.js";
@@ -111,7 +111,7 @@ export class Rendezvous {
     const copyIn = (): void => {
       if (copied || slot < 0) return;
       copied = true;
-      this.bounce.copyIn(slot, lmr.bytes);
+      this.bounce.copyIn(slot, peekBytes(lmr)); // copied at once: no view is kept (staged memory stays reusable)
       lmr.mem.opDone();
     };
     if (slot >= 0) {

@@ -10,6 +10,7 @@
  * it was registered in; a plain buffer is staged into registered memory that
  * is freed exactly once, when the operation settles or throws.
  */
+import type { Staging } from "./staging.js";
 import { RdmaError, checkInt } from "../errors.js";
 import type { Connection } from "../agent/connection.js";
 import type { ProtectionDomain } from "../transport/types.js";
@@ -100,16 +101,14 @@ export function remoteMrOf(v: unknown, name: string): RemoteMr {
 
 /** @internal */
 /**
- * A plain buffer copied into registered memory from the pool (one
- * allocation and one copy; the pool recycles small sizes), freed once the
- * operation settles. `alloc` is the connection's allocLocalMr.
+ * A plain buffer copied into the connection's staging memory (staging.ts:
+ * reused once the operation settles, never detached: no view of it escapes),
+ * released by the caller once the operation is made.
  */
-export function staged(conn: Connection, v: unknown, what: string, alloc: (size: number) => LocalMr): LocalMr {
+export function staged(conn: Connection, v: unknown, what: string, staging: Staging): LocalMr {
   conn.checkOpen(what);
   if (!ArrayBuffer.isView(v)) throw new RdmaError("INVALID_ARGUMENT", `${what}: the data must be a LocalMr, or a Uint8Array, Buffer or DataView (copied), got ${v === null ? "null" : typeof v}`);
-  const lmr = alloc(v.byteLength);
-  if (v.byteLength > 0) lmr.bytes.set(new Uint8Array(v.buffer, v.byteOffset, v.byteLength));
-  return lmr;
+  return staging.copy(v);
 }
 
 /** @internal */

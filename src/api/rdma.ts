@@ -14,6 +14,7 @@ import type { ResolvedSettings } from "./settings.js";
 import type { PeerInfo } from "./establish/auth.js";
 import { closeOptions, endPromise, messagesOf, type CloseOptions, type MessagesOptions } from "./lifecycle.js";
 import { debug, ended, opened, traced, tracing, type OperationName } from "./observe.js";
+import { Staging } from "./staging.js";
 import { createStream, type RdmaStream, type StreamOptions } from "./stream.js";
 import { checkBig, checkImm, guard, localMrOf, optsOf, released, remoteMrOf, signalOf, sizeOf, staged, type OpOptions, type SendData } from "./operands.js";
 import { statsOf, type AgentStats, type RdmaStats } from "./stats.js";
@@ -53,6 +54,8 @@ export interface OperationMessage {
  */
 export class Rdma {
   /** @internal */ readonly conn: Connection;
+  /** Where plain buffers are copied before an operation (reused, never handed out). */
+  private readonly staging: Staging;
   /** @internal */ readonly ctx: Context;
   /** @internal */ readonly settings: ResolvedSettings;
   private readonly redial: ((ctx: Context) => Promise<Rdma>) | null;
@@ -87,6 +90,7 @@ export class Rdma {
     this.peer = Object.freeze({ address: peer.address, port: peer.port, identity: peer.identity });
     this.conn = conn;
     this.ctx = ctx;
+    this.staging = new Staging(ctx.pool, () => conn.isClosed);
     this.settings = settings;
     this.redial = client?.redial ?? null;
   }
@@ -173,7 +177,7 @@ export class Rdma {
     const signal = signalOf(opts);
     // Small: copied behind the message's header, no staging memory.
     if (ArrayBuffer.isView(data) && data.byteLength <= SMALL_SEND_COPY && data.byteLength <= this.peerEagerThreshold) return this.conn.sendCopy(data, imm, signal, what);
-    const lmr = staged(this.conn, data, what, (n) => this.allocLocalMr(n));
+    const lmr = staged(this.conn, data, what, this.staging);
     // Eager: the operation pins the staged memory until it completes, so it is released now
     // (freed when the send settles) and the caller's promise is the operation's own.
     if (lmr.length <= this.peerEagerThreshold) {
@@ -249,7 +253,7 @@ export class Rdma {
     if (data instanceof LocalMr) return this.conn.write(localMrOf(this.conn, this.ctx.pd, data, "lmr", what), remoteMrOf(rmr, "rmr"), imm, signalOf(opts));
     const r = remoteMrOf(rmr, "rmr");
     const signal = signalOf(opts);
-    const lmr = staged(this.conn, data, what, (n) => this.allocLocalMr(n));
+    const lmr = staged(this.conn, data, what, this.staging);
     return released(lmr, () => this.conn.write(lmr, r, imm, signal));
   }
 

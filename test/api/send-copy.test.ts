@@ -1,9 +1,10 @@
 /**
- * send() of a small plain buffer (at most SMALL_SEND_COPY bytes) copies its
- * bytes behind the message's header, in a recycled header buffer: no staging
- * memory per message. Larger ones are staged as before. Either way the
- * message is the same on the wire, the caller may reuse its buffer as soon
- * as send() returns, and the peer's limits apply.
+ * Plain buffers given to send()/write(): one of at most SMALL_SEND_COPY bytes
+ * sent is copied behind the message's header, in a recycled header buffer;
+ * larger ones, and every write, are copied into the connection's staging
+ * memory, reused once the operation settles (never detached: no view of it
+ * escapes). Either way the message is the same on the wire, the caller may
+ * reuse its buffer as soon as the call returns, and the peer's limits apply.
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
@@ -106,4 +107,52 @@ describe(`send() of a small plain buffer [${PROVIDER}]`, () => {
       { server: (b) => b.setEagerThreshold(32) },
     );
   });
+
+  it("staging memory is reused: 4 KiB sends and writes of plain buffers take no pool memory per operation once warm, and a reused buffer never carries one message's bytes into another", () =>
+    withApiPair(async ({ server, client }) => {
+      const rmr = await client.requestRemoteMr(64 * 1024);
+      const round = async (seed: number): Promise<void> => {
+        // Sizes across the classes, eager and rendezvous (over 4 KiB + 64), each from a buffer the caller overwrites at once.
+        const sizes = Array.from({ length: 60 }, (_, i) => [233, 1000, 1024, 4096, 4160, 5000, 16384, 40000][i % 8]!);
+        const sends = sizes.map((n, i) => {
+          const b = pattern(n, seed + i);
+          const p = client.send(b);
+          b.fill(0xee);
+          return p;
+        });
+        for (let i = 0; i < sizes.length; i++) {
+          using got = await server.receive();
+          assert.deepEqual(got.bytes, pattern(sizes[i]!, seed + i), `round ${seed}, message ${i} (${sizes[i]} bytes)`);
+        }
+        await Promise.all(sends);
+        const writes = Array.from({ length: 16 }, (_, i) => {
+          const b = pattern(4096, seed + 100 + i);
+          const p = client.write(b, rmr.slice(i * 4096, (i + 1) * 4096));
+          b.fill(0xee);
+          return p;
+        });
+        await Promise.all(writes);
+        using back = client.allocLocalMr(64 * 1024);
+        await client.read(back, rmr);
+        for (let i = 0; i < 16; i++) assert.deepEqual(back.bytes.subarray(i * 4096, (i + 1) * 4096), pattern(4096, seed + 100 + i), `round ${seed}, write ${i}`);
+      };
+      await round(1);
+      await round(1000);
+      const load = async (): Promise<void> => {
+        const sends = Array.from({ length: 32 }, (_, i) => client.send(pattern(4096, i)));
+        for (let i = 0; i < 32; i++) {
+          using got = await server.receive();
+          assert.deepEqual(got.bytes, pattern(4096, i));
+        }
+        await Promise.all(sends);
+        await Promise.all(Array.from({ length: 16 }, (_, i) => client.write(pattern(4096, i), rmr.slice(i * 4096, (i + 1) * 4096))));
+      };
+      await load(); // warm: the staging memory this load needs at once
+      const steady = await allocations(client, load);
+      // None per operation (48 of them; staged, each took one before); a control message may take a header buffer.
+      assert.ok(steady <= 4, `${steady} pool allocations by 32 sends and 16 writes of 4 KiB, once warm`);
+      const spare = (client as unknown as { staging: { spareBytes: number } }).staging.spareBytes;
+      assert.ok(spare > 0 && spare <= 464 * 1024, `spare staging memory ${spare} bytes, at most 128 KiB per size class`);
+      rmr.dispose();
+    }));
 });
