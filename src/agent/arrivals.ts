@@ -41,7 +41,7 @@ export interface ArrivalsHost {
   readonly lanes: Pick<SendLanes, "waiting" | "flush">;
   readonly live: Pick<Liveness, "arrived">;
   readonly poller: Pick<Poller, "touch">;
-  readonly life: Pick<Lifecycle, "peerClosed" | "onPeerClose" | "protocolError">;
+  readonly life: Pick<Lifecycle, "peerClosed" | "protocolFailed" | "onPeerClose" | "protocolError">;
   readonly traffic: Traffic;
   /** The connection, as the memory protocol records it in `lease.owner`. */
   readonly owner: object;
@@ -74,7 +74,8 @@ export class Arrivals {
     if (grow > 0) this.recvs.grow(grow);
     this.live.arrived();
     this.poller.touch();
-    if (this.life.peerClosed) {
+    // After the peer's CLOSE, or after it broke the protocol (what follows a violation is not delivered: no gap the user cannot see).
+    if (this.life.peerClosed || this.life.protocolFailed) {
       mem.release();
       return;
     }
@@ -105,6 +106,11 @@ export class Arrivals {
         if (byteLen - HDR !== len) {
           mem.release();
           return this.life.protocolError(`DATA message claims ${len} bytes but carries ${byteLen - HDR}`);
+        }
+        // An honest peer refuses such a send itself (it knows this side's limit).
+        if (len > this.host.opts.maxMessageSize) {
+          mem.release();
+          return this.life.protocolError(`message of ${len} bytes exceeds this side's maxMessageSize (${this.host.opts.maxMessageSize})`);
         }
         const lmr = new LocalMr(mem, HDR, len);
         this.traffic.messagesReceived++;

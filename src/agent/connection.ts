@@ -257,7 +257,8 @@ export class Connection implements PartsHost {
     lmr.mem.check("send");
     Connection.checkSignal(signal);
     const len = lmr.length;
-    if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
+    const peerMax = this.peerMaxMessage();
+    if (peerMax !== undefined && len > peerMax) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${peerMax})`);
     if (len > 2 ** 32 - 1) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message is longer than the protocol carries (2^32 - 1)`);
     if (len <= this.peer.eagerMax) {
       // Without a signal nothing but its slot and its record refers to the operation: reused.
@@ -309,7 +310,8 @@ export class Connection implements PartsHost {
     this.checkOpen(what);
     Connection.checkSignal(signal);
     const len = data.byteLength;
-    if (this.peer.maxMessageSize !== undefined && len > this.peer.maxMessageSize) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${this.peer.maxMessageSize})`);
+    const peerMax = this.peerMaxMessage();
+    if (peerMax !== undefined && len > peerMax) throw new RdmaError("OUT_OF_RANGE", `a ${len}-byte message exceeds the peer's maxMessageSize (${peerMax})`);
     const op = signal === undefined ? this.ops.reusableOp() : newOp("msg");
     const hdr = this.headers.take();
     const a = hdr.alloc;
@@ -332,6 +334,15 @@ export class Connection implements PartsHost {
     this.lanes.enqueue(r);
     this.countSent(len);
     return p;
+  }
+
+  /**
+   * The largest message the peer accepts: from the side channel's handshake,
+   * else from its LIMITS message (RDMA CM's private data does not carry it;
+   * LIMITS arrives before the connection is handed out).
+   */
+  private peerMaxMessage(): number | undefined {
+    return this.peer.maxMessageSize ?? this.memory.peerLimits?.maxMessageSize;
   }
 
   /** A message accepted for sending (counted once nothing before it can throw). */

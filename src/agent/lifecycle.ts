@@ -95,7 +95,11 @@ export class Lifecycle {
     this.fail(new RdmaError("CONNECTION_CLOSED", `connection failed: ${e.reason}`));
   }
 
+  /** The peer broke the protocol: nothing it sent after that is delivered (arrivals.ts). */
+  protocolFailed = false;
+
   protocolError(reason: string): void {
+    this.protocolFailed = true;
     const err = new RdmaError("PROTOCOL", `malformed control message from the peer: ${reason}; connection closed`);
     this.fail(err);
   }

@@ -24,7 +24,7 @@
  */
 import { RdmaError } from "../errors.js";
 import { Access, WrOpcode, SendFlags, type MemoryRegion } from "../transport/types.js";
-import { LocalMemory, LocalMr, peekBytes } from "../memory/mr.js";
+import { LocalMemory, LocalMr } from "../memory/mr.js";
 import type { MrPool } from "../memory/pool.js";
 import { peerMemory } from "../memory/budget.js";
 import { abortError } from "./queue.js";
@@ -111,7 +111,10 @@ export class Rendezvous {
     const copyIn = (): void => {
       if (copied || slot < 0) return;
       copied = true;
-      this.bounce.copyIn(slot, peekBytes(lmr)); // copied at once: no view is kept (staged memory stays reusable)
+      // The memory is pinned (inflight) until now, even if its owner disposed of it meanwhile (freeing
+      // waits for the operation): read the allocation itself, no check, and keep no view of it.
+      const a = lmr.mem.alloc;
+      this.bounce.copyIn(slot, new Uint8Array(a.buffer, a.bufOffset + lmr.start, lmr.length));
       lmr.mem.opDone();
     };
     if (slot >= 0) {

@@ -90,7 +90,7 @@ export class Rdma {
     this.peer = Object.freeze({ address: peer.address, port: peer.port, identity: peer.identity });
     this.conn = conn;
     this.ctx = ctx;
-    this.staging = new Staging(ctx.pool, () => conn.isClosed);
+    this.staging = new Staging(ctx.pool, () => conn.isClosed || conn.failure !== null);
     this.settings = settings;
     this.redial = client?.redial ?? null;
   }
@@ -489,6 +489,7 @@ export class Rdma {
   releaseResources(): void {
     // The agent destroyed its QP and CQ before it called here (Connection.teardown).
     for (const m of [...this.userMrs]) m.release();
+    this.staging.release();
     this.ctx.release();
     const f = this.onReleased;
     this.onReleased = null;

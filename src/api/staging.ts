@@ -13,7 +13,8 @@
  *   memory is released and no operation holds it (inflight 0): a rendezvous
  *   READ's grant is revoked before that, so the peer cannot read it after;
  * - at most STAGE_SPARE_BYTES of each class are kept spare per connection,
- *   none once the connection ended; a message longer than the largest class is staged in
+ *   none once the connection failed or closed, and those kept go back to the
+ *   pool when the connection's resources are released (release()); a message longer than the largest class is staged in
  *   memory of its own, freed after.
  */
 import { LocalMemory, LocalMr, peekBytes } from "../memory/mr.js";
@@ -58,9 +59,18 @@ export class Staging {
     return lmr;
   }
 
+  /** The connection's resources are released: the spares go back to the pool (which newConnection() siblings share), and nothing more is kept. */
+  release(): void {
+    this.released = true;
+    for (const spare of this.spare) for (const m of spare.splice(0)) m.release();
+    this.spareBytes = 0;
+  }
+
+  private released = false;
+
   /** LocalMemory.recycle: an operation's staging memory came back; kept for the next copy, or freed (false). */
   private readonly recycle = (alloc: Allocation, viewed: boolean): boolean => {
-    if (viewed || this.ended() || !this.pool.isLive(alloc)) return false;
+    if (this.released || viewed || this.ended() || !this.pool.isLive(alloc)) return false;
     const c = STAGE_CLASSES.indexOf(alloc.length);
     if (c < 0) return false;
     const spare = this.spare[c]!;

@@ -125,6 +125,8 @@ export class Outbox {
 
   /** The connection ended: the spare buffers go back to it. */
   close(): void {
+    // Batches whose sends settle later are freed, not kept (done()).
+    this.failure ??= new RdmaError("CONNECTION_CLOSED", "rpc: the connection is closed");
     for (const m of this.spare.splice(0)) m[Symbol.dispose]();
     for (const m of this.spareLarge.splice(0)) this.freeLarge(m);
   }

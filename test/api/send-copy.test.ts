@@ -108,6 +108,22 @@ describe(`send() of a small plain buffer [${PROVIDER}]`, () => {
     );
   });
 
+  it("a peer that sends a message over this side's maxMessageSize anyway (it ignored the limit) fails the connection with PROTOCOL; neither it nor what follows it is delivered", async () => {
+    await withApiPair(
+      async ({ server, client }) => {
+        // The client forgets the server's limit, as a hostile peer would.
+        (client as unknown as { conn: { peer: { maxMessageSize?: number } } }).conn.peer.maxMessageSize = 1 << 30;
+        const sends = [client.send(pattern(64, 1)), client.send(new Uint8Array(65)), client.send(pattern(8, 2))];
+        using first = await server.receive();
+        assert.deepEqual(first.bytes, pattern(64, 1));
+        // Nothing after the violation is delivered either (the 8-byte message): the user never sees a gap.
+        await assert.rejects(server.receive(), (e: unknown) => code("PROTOCOL")(e) && /65 bytes exceeds this side's maxMessageSize \(64\)/.test((e as Error).message));
+        await Promise.allSettled(sends);
+      },
+      { server: (b) => b.setMaxMessageSize(64) },
+    );
+  });
+
   it("staging memory is reused: 4 KiB sends and writes of plain buffers take no pool memory per operation once warm, and a reused buffer never carries one message's bytes into another", () =>
     withApiPair(async ({ server, client }) => {
       const rmr = await client.requestRemoteMr(64 * 1024);
