@@ -7,8 +7,8 @@
  * INVALID_ARGUMENT (or the connection's own state error), before any work
  * request exists; the public method turns the throw into its rejected
  * promise ({@link guard}). A LocalMr is usable only on the protection domain
- * it was registered in; a plain buffer is staged into registered memory that
- * is freed exactly once, when the operation settles or throws.
+ * it was registered in; a plain buffer is staged into the connection's
+ * staging memory, released exactly once (reused once the operation settles).
  */
 import type { Staging } from "./staging.js";
 import { RdmaError, checkInt } from "../errors.js";
