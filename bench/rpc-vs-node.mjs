@@ -32,7 +32,13 @@ const PROVIDER = args.provider ?? process.env.ASYNC_RDMA_PROVIDER ?? "tcp";
 const EAGER = args.eager ?? process.env.RPC_BENCH_EAGER;
 const LAYER = args.layer ?? process.env.RPC_BENCH_LAYER ?? "rpc";
 if (LAYER !== "rpc" && LAYER !== "sendrecv") throw new Error("--layer rpc|sendrecv");
-const builder = (B) => (EAGER === undefined ? new B().setProvider(PROVIDER) : new B().setProvider(PROVIDER).setEagerThreshold(Number(EAGER)));
+const RECV_DEPTH = process.env.RPC_BENCH_RECV_DEPTH;
+const builder = (B) => {
+  const b = new B().setProvider(PROVIDER);
+  if (EAGER !== undefined) b.setEagerThreshold(Number(EAGER));
+  if (RECV_DEPTH !== undefined) b.setRecvDepth(Number(RECV_DEPTH));
+  return b;
+};
 const self = fileURLToPath(import.meta.url);
 const dist = new URL("../dist/src/", import.meta.url);
 

@@ -182,19 +182,7 @@ export class Connection implements PartsHost {
     const len = encodeMsg(bytesOf(a.buffer), toWire(m), a.bufOffset);
     const o = op ?? newOp("msg");
     o.hdr = mem;
-    // A record of the lanes' free list (send-lanes.ts: back once posted).
-    const r = this.lanes.record();
-    const h = r.one[0]!;
-    h.addr = a.addr;
-    h.length = len;
-    h.lkey = a.mr.lkey;
-    r.wr.sgList = r.one;
-    r.wr.flags = SendFlags.SIGNALED;
-    r.op = o;
-    r.credit = credit;
-    r.hdr = mem;
-    r.ordered = ordered;
-    this.lanes.enqueue(r);
+    this.lanes.enqueueSend(o, mem, len, SendFlags.SIGNALED, credit, ordered);
   }
 
   /** MemoryHost: a control message posted after every operation queued before it. */
@@ -270,27 +258,9 @@ export class Connection implements PartsHost {
       lmr.mem.inflight++;
       op.mem = lmr.mem;
       const p = this.ops.track<void>(op, signal);
-      // A record of the lanes' free list (send-lanes.ts: back once posted).
-      const r = this.lanes.record();
-      const h = r.one[0]!;
-      h.addr = a.addr;
-      h.length = HDR;
-      h.lkey = a.mr.lkey;
-      if (len > 0) {
-        const d = r.two[1]!;
-        const m = lmr.mem.alloc;
-        d.addr = m.addr + lmr.start;
-        d.length = len;
-        d.lkey = m.mr.lkey;
-        r.wr.sgList = r.two;
-      } else r.wr.sgList = r.one;
+      const m = lmr.mem.alloc;
       // Small messages go inline: the HCA takes the bytes from the WQE, no DMA read of the buffers.
-      r.wr.flags = HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0;
-      r.op = op;
-      r.credit = 2;
-      r.hdr = hdr;
-      r.ordered = false;
-      this.lanes.enqueue(r);
+      this.lanes.enqueueSend(op, hdr, HDR, HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0, 2, false, m.addr + lmr.start, len, m.mr.lkey);
       this.countSent(len);
       return p;
     }
@@ -320,18 +290,7 @@ export class Connection implements PartsHost {
     if (len > 0) buf.set(new Uint8Array(data.buffer, data.byteOffset, len), a.bufOffset + HDR);
     op.hdr = hdr;
     const p = this.ops.track<void>(op, signal);
-    const r = this.lanes.record();
-    const h = r.one[0]!;
-    h.addr = a.addr;
-    h.length = HDR + len;
-    h.lkey = a.mr.lkey;
-    r.wr.sgList = r.one;
-    r.wr.flags = HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0;
-    r.op = op;
-    r.credit = 2;
-    r.hdr = hdr;
-    r.ordered = false;
-    this.lanes.enqueue(r);
+    this.lanes.enqueueSend(op, hdr, HDR + len, HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0, 2, false);
     this.countSent(len);
     return p;
   }

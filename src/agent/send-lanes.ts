@@ -264,6 +264,33 @@ export class SendLanes {
     return rec;
   }
 
+  /**
+   * Queues a two-sided SEND from a record of the free list: the header's
+   * `hdrLen` bytes from the start of `hdr` (a recycled header buffer),
+   * followed by `payloadLen` bytes at `payloadAddr` when `payloadLen` > 0.
+   */
+  enqueueSend(op: Op, hdr: LocalMemory, hdrLen: number, flags: number, credit: number, ordered: boolean, payloadAddr = 0, payloadLen = 0, payloadLkey = 0): void {
+    const r = this.record();
+    const a = hdr.alloc;
+    const h = r.one[0]!;
+    h.addr = a.addr;
+    h.length = hdrLen;
+    h.lkey = a.mr.lkey;
+    if (payloadLen > 0) {
+      const d = r.two[1]!;
+      d.addr = payloadAddr;
+      d.length = payloadLen;
+      d.lkey = payloadLkey;
+      r.wr.sgList = r.two;
+    } else r.wr.sgList = r.one;
+    r.wr.flags = flags;
+    r.op = op;
+    r.credit = credit;
+    r.hdr = hdr;
+    r.ordered = ordered;
+    this.enqueue(r);
+  }
+
   private giveBack(r: SendRecord): void {
     r.op = NO_OP;
     r.hdr = null;
