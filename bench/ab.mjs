@@ -15,7 +15,10 @@
 //   send-inprocess  64 B messages/s, sender and receiver in one process (higher is better)
 //   send-4k         4 KiB messages/s, in one process (higher is better)
 //   rpc-vs-node     calls/s at 32 B c=1 (two processes; noisy on a busy machine)
+//   rpc-c64         calls/s at 32 B c=64 (two processes)
 //   rpc-4k-c64      calls/s at 4 KiB c=64 (two processes)
+//   sendrecv-c1, sendrecv-c64: calls/s of an echo written on send()/receive() (plain
+//                   buffers), 32 B at c=1 and c=64 (two processes)
 //   write-bw-4k     tcp write_bw MB/s at 4 KiB (perf CLI, two processes; bench/tcp-vs-node.mjs, one run)
 //   write-bw-64k    the same at 64 KiB
 //   write-bw-1m     the same at 1 MiB
@@ -49,6 +52,9 @@ const BENCHES = {
   "send-inprocess": { args: ["bench/send-inprocess.mjs", String(4 * CALLS), "128", "64"], re: /"messagesPerSec":(\d+)/, unit: "msg/s", better: "higher" },
   "send-4k": { args: ["bench/send-inprocess.mjs", String(2 * CALLS), "64", "4000"], re: /"messagesPerSec":(\d+)/, unit: "msg/s", better: "higher" },
   "rpc-vs-node": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32"], re: /\| 32 B \| 1 \| (\d+) \|/, unit: "calls/s", better: "higher" },
+  "rpc-c64": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32"], re: /\| 32 B \| 64 \| (\d+) \|/, unit: "calls/s", better: "higher" },
+  "sendrecv-c64": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32", "--layer", "sendrecv"], re: /\| 32 B \| 64 \| (\d+) \|/, unit: "calls/s", better: "higher" },
+  "sendrecv-c1": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32", "--layer", "sendrecv"], re: /\| 32 B \| 1 \| (\d+) \|/, unit: "calls/s", better: "higher" },
   "rpc-4k-c64": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "4096"], re: /\| 4096 B \| 64 \| (\d+) \|/, unit: "calls/s", better: "higher" },
 };
 for (const [name, size, label] of [

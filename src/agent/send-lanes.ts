@@ -12,8 +12,12 @@
  * - `data`: the user's operations in their order (messages, one-sided work,
  *   and control messages that must not overtake them).
  *
- * Invariants: one `postSend` list per flush (flushes are batched per turn of
- * the event loop); nothing is posted without the credits credits.ts allows
+ * Invariants: one `postSend` list per flush, and one flush per microtask
+ * checkpoint: it runs from `process.nextTick`, which Node runs once the
+ * microtask queue is empty, so the sends that promise continuations make one
+ * after another (a receive loop echoing each message it takes) go in one
+ * list — one write on the tcp provider, one doorbell on verbs — instead of
+ * one each (a queued microtask would run between two continuations); nothing is posted without the credits credits.ts allows
  * nor beyond the send queue's depth; each posted list signals its last work
  * request and at least every SIGNAL_EVERY-th (selective signalling), and a
  * signalled completion completes every unsignalled request posted before it
@@ -175,7 +179,7 @@ export class SendLanes {
     return this.creditQ.length + this.rdQ.length + this.ctrlQ.length + this.dataQ.length;
   }
 
-  /** Queues a work request in its lane; the flush runs once per turn (a microtask). */
+  /** Queues a work request in its lane; the flush runs once the current microtask checkpoint ends (see above). */
   enqueue(p: Pending): void {
     // A failed connection posts nothing more: work queued after fail() (a PONG or RNDV_DONE for a
     // message handled while the failure drains the CQ) is dropped like the work fail() found queued.
@@ -187,7 +191,7 @@ export class SendLanes {
     else this.dataQ.push(p);
     if (!this.flushScheduled) {
       this.flushScheduled = true;
-      queueMicrotask(this.flushTask);
+      process.nextTick(this.flushTask);
     }
   }
 
