@@ -24,6 +24,9 @@
 //   write-bw-1m     the same at 1 MiB
 //   write-bw-4k-vs-node, -64k-vs-node, -1m-vs-node: the same run's ratio to a plain Node TCP
 //                   stream measured right beside it (less sensitive to load than MB/s)
+//   write-lat, write-imm-lat, send-lat: tcp 8 B half round trip µs (perf CLI write_lat,
+//                   write_lat --write_imm, send_lat; bench/tcp-vs-node.mjs, one run each),
+//                   and -vs-node: the ratio to a Node ping-pong measured beside it
 //
 // A program that reports: it never fails on a number.
 import { execFileSync, spawnSync } from "node:child_process";
@@ -67,6 +70,17 @@ for (const [name, size, label] of [
   const row = `\\| write_bw ${label} +\\| MB/s \\(avg\\) +\\| `;
   BENCHES[`write-bw-${name}`] = { args, re: new RegExp(row + "([\\d.,]+) "), unit: "MB/s", better: "higher" };
   BENCHES[`write-bw-${name}-vs-node`] = { args, re: new RegExp(row + "[\\d.,]+ +\\| [\\d.,]+ +\\| ([\\d.]+)×"), unit: "× node", better: "higher" };
+}
+for (const [name, test] of [
+  ["write-lat", "write_lat 8 B"],
+  ["write-imm-lat", "write_lat --write_imm 8 B"],
+  ["send-lat", "send_lat 8 B"],
+]) {
+  // bench/tcp-vs-node.mjs's row: | send_lat 8 B | µs (typical, half RTT) | ours | node | ours / node× | ...
+  const args = ["bench/tcp-vs-node.mjs", "--runs", "1", "--sizes", "none", "--lat-iters", "10000"];
+  const row = `\\| ${test.replace(/[-]/g, "\\-")} +\\| µs \\(typical, half RTT\\) +\\| `;
+  BENCHES[name] = { args, re: new RegExp(row + "([\\d.,]+) "), unit: "µs", better: "lower" };
+  BENCHES[`${name}-vs-node`] = { args, re: new RegExp(row + "[\\d.,]+ +\\| [\\d.,]+ +\\| ([\\d.]+)×"), unit: "× node", better: "lower" };
 }
 const chosen = String(opt("bench", "rpc-cpu,send-inprocess")).split(",");
 for (const b of chosen) if (!BENCHES[b]) throw new Error(`unknown benchmark ${b} (known: ${Object.keys(BENCHES).join(", ")})`);

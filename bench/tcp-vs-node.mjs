@@ -7,9 +7,10 @@
 //   latency:   `async-rdma perf write_lat` (and send_lat, write_lat --write_imm)
 //              vs a Node TCP ping-pong (bench/lib/node-tcp.mjs pp), half RTT
 //
-//   node bench/tcp-vs-node.mjs [--runs 3] [--netns] [--json] [--sizes 64,4096,65536,1048576] [--lat-iters N]
+//   node bench/tcp-vs-node.mjs [--runs 3] [--netns] [--json] [--sizes 64,4096,65536,1048576|none] [--lat-iters N]
 //
-// --lat-iters 0 skips the latency tests (bandwidth only; bench/ab.mjs's write-bw entries).
+// --lat-iters 0 skips the latency tests (bandwidth only; bench/ab.mjs's write-bw entries);
+// --sizes none skips the bandwidth tests (latency only; its *-lat entries).
 //
 // --netns runs each server in one network namespace and each client in
 // another, joined by veth (bench/netns.sh; needs root). Without it: loopback.
@@ -27,7 +28,7 @@ try {
 if (!(o.runs >= 1)) usageExit("--runs must be ≥ 1", USAGE);
 if (!(o["lat-iters"] >= 0)) usageExit("--lat-iters must be ≥ 0", USAGE);
 requireBuild();
-const SIZES = o.sizes.split(",").map(Number);
+const SIZES = o.sizes === "none" ? [] : o.sizes.split(",").map(Number);
 /** Same operation count on both sides, sized for ~0.2–2 s per run here. */
 const COUNT = (size) => (size <= 4096 ? 50_000 : size <= 65536 ? 10_000 : 1000);
 const REF = join(ROOT, "bench", "lib", "node-tcp.mjs");
