@@ -70,7 +70,7 @@ export class Arrivals {
   /** A receive completed successfully into `mem` (its `byteLen` bytes; `imm` for a WRITE with immediate). */
   onReceive(mem: LocalMemory, opcode: number, byteLen: number, imm: number): void {
     this.cr.consumed();
-    const grow = this.cr.growth();
+    const grow = this.cr.growth(opcode === WcOpcode.RECV_RDMA_WITH_IMM);
     if (grow > 0) this.recvs.grow(grow);
     this.live.arrived();
     this.poller.touch();

@@ -97,12 +97,17 @@ export class Credits {
 
   /**
    * Receives to add to our ring now (0: none): when the peer sees fewer
-   * credits than a data message needs even counting those we owe it, the ring
-   * doubles, up to our depth. The caller posts them and reports them as
+   * credits than a data message needs even counting those we owe it (not
+   * counting them when `imm`: the receive went to a WRITE with immediate),
+   * the ring doubles, up to our depth. The caller posts them and reports them as
    * re-posted (credits to return); the ring counts them from now on.
    */
-  growth(): number {
-    if (this.ourRing >= this.ourDepth || this.peerCredits + this.toReturn + this.growing >= NEED.data) return 0;
+  growth(imm = false): number {
+    // A WRITE with immediate consumed the receive: such traffic carries no credits back, so what
+    // we owe reaches the peer only in CREDIT messages. Counting it would keep the ring at its
+    // first 8 and cost a CREDIT every few messages; grown, one CREDIT returns a quarter of the depth.
+    const owed = imm ? 0 : this.toReturn;
+    if (this.ourRing >= this.ourDepth || this.peerCredits + owed + this.growing >= NEED.data) return 0;
     const n = Math.min(this.ourRing, this.ourDepth - this.ourRing);
     this.ourRing += n;
     this.growing += n;

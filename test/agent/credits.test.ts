@@ -93,6 +93,11 @@ describe("send credits (agent/credits.ts)", () => {
     for (let i = 0; i < 4; i++) c.consumed();
     c.reposted(4);
     assert.equal(c.growth(), 0, "4 owed: the peer is not short");
+    // A WRITE with immediate took the receive: owed credits go back only by CREDIT message, so they do not count.
+    const w = new Credits(32, 32);
+    for (let i = 0; i < 4; i++) w.consumed();
+    w.reposted(4);
+    assert.equal(w.growth(true), 8, "4 owed after WRITEs with immediate: the ring doubles");
     c.report();
     // The peer runs low with nothing owed: the ring doubles, then doubles again, never past the depth.
     for (let i = 0; i < 4; i++) c.consumed();

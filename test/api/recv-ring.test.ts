@@ -50,4 +50,30 @@ describe(`the receive ring grows with use [${PROVIDER}, ${CM}]`, { timeout: 120_
       await eventually(() => client.stats().credits > 8, 10_000 * SLOW, `the client to hold more than 8 credits (${client.stats().credits})`);
       assert.ok(client.stats().credits <= 32, "never more credits than the server's depth");
     }));
+
+  it("a WRITE-with-immediate ping-pong (whose messages carry no credits back) grows the ring, so CREDIT messages stay under one per five messages", () =>
+    withApiPair(async ({ server, client }) => {
+      const [toServer, toClient] = await Promise.all([client.requestRemoteMr(8), server.requestRemoteMr(8)]);
+      const [cl, sl] = [client.allocLocalMr(8), server.allocLocalMr(8)];
+      const c0 = client.stats().creditMessages;
+      const s0 = server.stats().creditMessages;
+      const N = 200;
+      for (let i = 0; i < N; i++) {
+        cl.bytes.set(pattern(8, i));
+        await client.writeWithImm(cl, toServer, i);
+        assert.equal(await server.receiveWriteImm(), i);
+        sl.bytes.set(pattern(8, i + 1));
+        await server.writeWithImm(sl, toClient, i + 1);
+        assert.equal(await client.receiveWriteImm(), i + 1);
+      }
+      const [cm, sm] = [client.stats().creditMessages - c0, server.stats().creditMessages - s0];
+      // Each side's ring stays within its depth; a CREDIT returned only a few credits each at 8 receives (one per three or four messages).
+      for (const [side, rdma, n] of [["client", client, cm], ["server", server, sm]] as const) {
+        const ring = rdma.stats().receiveRing;
+        assert.ok(ring > 8 && ring <= 32, `the ${side}'s ring grew within its depth (${ring})`);
+        assert.ok(n < N / 5, `the ${side} sent ${n} CREDIT messages for ${N} WRITEs with immediate`);
+      }
+      toServer.dispose();
+      toClient.dispose();
+    }));
 });
