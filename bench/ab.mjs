@@ -19,10 +19,11 @@
 //   rpc-4k-c64      calls/s at 4 KiB c=64 (two processes)
 //   sendrecv-c1, sendrecv-c64: calls/s of an echo written on send()/receive() (plain
 //                   buffers), 32 B at c=1 and c=64 (two processes)
+//   write-bw-64     tcp write_bw MB/s at 64 B (perf CLI, two processes; bench/tcp-vs-node.mjs, one run)
 //   write-bw-4k     tcp write_bw MB/s at 4 KiB (perf CLI, two processes; bench/tcp-vs-node.mjs, one run)
 //   write-bw-64k    the same at 64 KiB
 //   write-bw-1m     the same at 1 MiB
-//   write-bw-4k-vs-node, -64k-vs-node, -1m-vs-node: the same run's ratio to a plain Node TCP
+//   write-bw-64-vs-node, -4k-vs-node, -64k-vs-node, -1m-vs-node: the same run's ratio to a plain Node TCP
 //                   stream measured right beside it (less sensitive to load than MB/s)
 //   write-lat, write-imm-lat, send-lat: tcp 8 B half round trip µs (perf CLI write_lat,
 //                   write_lat --write_imm, send_lat; bench/tcp-vs-node.mjs, one run each),
@@ -61,6 +62,7 @@ const BENCHES = {
   "rpc-4k-c64": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "4096"], re: /\| 4096 B \| 64 \| (\d+) \|/, unit: "calls/s", better: "higher" },
 };
 for (const [name, size, label] of [
+  ["64", 64, "64 B"],
   ["4k", 4096, "4 KiB"],
   ["64k", 65536, "64 KiB"],
   ["1m", 1048576, "1 MiB"],
