@@ -37,6 +37,13 @@ export function initialReceives(depth: number): number {
   return Math.min(depth, INITIAL_RECEIVES);
 }
 
+/**
+ * The ring a WRITE-with-immediate ping-pong may grow to without being short
+ * of credits counting those owed (Credits.growth): at 16 or 32 receives a
+ * CREDIT returns several at once; more would not send fewer.
+ */
+export const IMM_RING = 4 * INITIAL_RECEIVES;
+
 /** The credit reserved for CREDIT messages. */
 export const CREDIT_RESERVE = 1;
 /** Credits reserved for control messages beyond that. */
@@ -98,15 +105,16 @@ export class Credits {
   /**
    * Receives to add to our ring now (0: none): when the peer sees fewer
    * credits than a data message needs even counting those we owe it (not
-   * counting them when `imm`: the receive went to a WRITE with immediate),
-   * the ring doubles, up to our depth. The caller posts them and reports them as
+   * counting them when `imm`, the receive went to a WRITE with immediate,
+   * while the ring is under IMM_RING), the ring doubles, up to our depth. The caller posts them and reports them as
    * re-posted (credits to return); the ring counts them from now on.
    */
   growth(imm = false): number {
     // A WRITE with immediate consumed the receive: such traffic carries no credits back, so what
     // we owe reaches the peer only in CREDIT messages. Counting it would keep the ring at its
-    // first 8 and cost a CREDIT every few messages; grown, one CREDIT returns a quarter of the depth.
-    const owed = imm ? 0 : this.toReturn;
+    // first 8 and cost a CREDIT every few messages. Not counting it, up to IMM_RING only: each
+    // CREDIT round would double the ring again, up to any depth, for one message in flight.
+    const owed = imm && this.ourRing < IMM_RING ? 0 : this.toReturn;
     if (this.ourRing >= this.ourDepth || this.peerCredits + owed + this.growing >= NEED.data) return 0;
     const n = Math.min(this.ourRing, this.ourDepth - this.ourRing);
     this.ourRing += n;

@@ -4,7 +4,7 @@
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { CREDIT_RESERVE, CTRL_RESERVE, Credits, INITIAL_RECEIVES, NEED, initialReceives } from "../../src/agent/credits.js";
+import { CREDIT_RESERVE, CTRL_RESERVE, Credits, IMM_RING, INITIAL_RECEIVES, NEED, initialReceives } from "../../src/agent/credits.js";
 
 const idle = { credit: false, ctrl: false, data: false, dataHeadNeed: 0 };
 
@@ -94,10 +94,21 @@ describe("send credits (agent/credits.ts)", () => {
     c.reposted(4);
     assert.equal(c.growth(), 0, "4 owed: the peer is not short");
     // A WRITE with immediate took the receive: owed credits go back only by CREDIT message, so they do not count.
-    const w = new Credits(32, 32);
+    const w = new Credits(1024, 1024);
     for (let i = 0; i < 4; i++) w.consumed();
     w.reposted(4);
     assert.equal(w.growth(true), 8, "4 owed after WRITEs with immediate: the ring doubles");
+    w.reposted(8);
+    w.report();
+    while (w.peerCredits >= NEED.data) w.consumed();
+    w.reposted(4);
+    assert.equal(w.growth(true), 16, "16 receives, under IMM_RING: doubles again");
+    w.reposted(16);
+    w.report();
+    while (w.peerCredits >= NEED.data) w.consumed();
+    w.reposted(4);
+    assert.equal(w.ourRing, IMM_RING);
+    assert.equal(w.growth(true), 0, "at IMM_RING what is owed counts again: one message in flight does not take the whole depth");
     c.report();
     // The peer runs low with nothing owed: the ring doubles, then doubles again, never past the depth.
     for (let i = 0; i < 4; i++) c.consumed();
