@@ -106,8 +106,9 @@ export class Credits {
    * Receives to add to our ring now (0: none): when the peer sees fewer
    * credits than a data message needs even counting those we owe it (not
    * counting them when `imm`, the receive went to a WRITE with immediate,
-   * while the ring is under IMM_RING), the ring doubles, up to our depth. The caller posts them and reports them as
-   * re-posted (credits to return); the ring counts them from now on.
+   * while the ring is under IMM_RING), the ring doubles, up to our depth.
+   * The caller posts them and reports them as re-posted (credits to
+   * return); the ring counts them from now on.
    */
   growth(imm = false): number {
     // A WRITE with immediate consumed the receive: such traffic carries no credits back, so what

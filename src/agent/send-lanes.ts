@@ -17,8 +17,9 @@
  * microtask queue is empty, so the sends that promise continuations make one
  * after another (a receive loop echoing each message it takes) go in one
  * list — one write on the tcp provider, one doorbell on verbs — instead of
- * one each (a queued microtask would run between two continuations); nothing is posted without the credits credits.ts allows
- * nor beyond the send queue's depth; each posted list signals its last work
+ * one each (a queued microtask would run between two continuations);
+ * nothing is posted without the credits credits.ts allows nor beyond the
+ * send queue's depth; each posted list signals its last work
  * request and at least every SIGNAL_EVERY-th (selective signalling), and a
  * signalled completion completes every unsignalled request posted before it
  * (`unsignaledBefore`). A one-sided operation whose remote region was
