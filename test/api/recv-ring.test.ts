@@ -7,7 +7,7 @@
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { CM, PROVIDER, eventually, pattern, withApiPair } from "../support/api.js";
+import { CM, PROVIDER, eventually, pattern, withApiPair, writeImmPingPong } from "../support/api.js";
 
 const SLOW = PROVIDER === "verbs" ? 4 : 1;
 
@@ -52,20 +52,12 @@ describe(`the receive ring grows with use [${PROVIDER}, ${CM}]`, { timeout: 120_
     }));
 
   it("a WRITE-with-immediate ping-pong (whose messages carry no credits back) grows the ring, so CREDIT messages stay under one per five messages", () =>
-    withApiPair(async ({ server, client }) => {
-      const [toServer, toClient] = await Promise.all([client.requestRemoteMr(8), server.requestRemoteMr(8)]);
-      const [cl, sl] = [client.allocLocalMr(8), server.allocLocalMr(8)];
+    withApiPair(async (pair) => {
+      const { server, client } = pair;
       const c0 = client.stats().creditMessages;
       const s0 = server.stats().creditMessages;
       const N = 200;
-      for (let i = 0; i < N; i++) {
-        cl.bytes.set(pattern(8, i));
-        await client.writeWithImm(cl, toServer, i);
-        assert.equal(await server.receiveWriteImm(), i);
-        sl.bytes.set(pattern(8, i + 1));
-        await server.writeWithImm(sl, toClient, i + 1);
-        assert.equal(await client.receiveWriteImm(), i + 1);
-      }
+      await writeImmPingPong(pair, N);
       const [cm, sm] = [client.stats().creditMessages - c0, server.stats().creditMessages - s0];
       // Each side's ring stays within its depth; a CREDIT returned only a few credits each at 8 receives (one per three or four messages).
       for (const [side, rdma, n] of [["client", client, cm], ["server", server, sm]] as const) {
@@ -73,7 +65,5 @@ describe(`the receive ring grows with use [${PROVIDER}, ${CM}]`, { timeout: 120_
         assert.ok(ring > 8 && ring <= 32, `the ${side}'s ring grew within its depth (${ring})`);
         assert.ok(n < N / 5, `the ${side} sent ${n} CREDIT messages for ${N} WRITEs with immediate`);
       }
-      toServer.dispose();
-      toClient.dispose();
     }));
 });

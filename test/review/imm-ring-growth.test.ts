@@ -14,7 +14,7 @@
  */
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
-import { CM, PROVIDER, pattern, withApiPair } from "../support/api.js";
+import { CM, PROVIDER, pattern, withApiPair, writeImmPingPong } from "../support/api.js";
 
 const SLOW = PROVIDER === "verbs" ? 4 : 1;
 const DEPTH = 1024;
@@ -22,23 +22,12 @@ const DEPTH = 1024;
 describe(`review: WRITE-with-immediate ring growth is bounded by what is in flight [${PROVIDER}, ${CM}]`, { timeout: 120_000 * SLOW }, () => {
   it("a one-in-flight writeWithImm ping-pong does not grow the ring to a large receive depth", () =>
     withApiPair(
-      async ({ server, client }) => {
-        const [toServer, toClient] = await Promise.all([client.requestRemoteMr(8), server.requestRemoteMr(8)]);
-        const [cl, sl] = [client.allocLocalMr(8), server.allocLocalMr(8)];
-        const N = 600;
-        for (let i = 0; i < N; i++) {
-          cl.bytes.set(pattern(8, i));
-          await client.writeWithImm(cl, toServer, i);
-          assert.equal(await server.receiveWriteImm(), i);
-          sl.bytes.set(pattern(8, i + 1));
-          await server.writeWithImm(sl, toClient, i + 1);
-          assert.equal(await client.receiveWriteImm(), i + 1);
-        }
+      async (pair) => {
+        const { server, client } = pair;
+        await writeImmPingPong(pair, 600);
         const rings = { client: client.stats().receiveRing, server: server.stats().receiveRing };
         // One message in flight needs nowhere near the depth: at most IMM_RING (32) receives.
         for (const [side, ring] of Object.entries(rings)) assert.ok(ring <= 32, `the ${side}'s ring grew to ${ring} receives (depth ${DEPTH}) with one WRITE with immediate in flight`);
-        toServer.dispose();
-        toClient.dispose();
       },
       { server: (b) => b.setRecvDepth(DEPTH), client: (b) => b.setRecvDepth(DEPTH) },
     ));

@@ -1,6 +1,7 @@
 /**
  * API test support: builders for the provider under test and connected pairs.
  */
+import assert from "node:assert/strict";
 import { RdmaBuilder, type Rdma } from "../../src/index.js";
 import { PROVIDER, deviceNames } from "./seam.js";
 
@@ -87,4 +88,26 @@ export async function eventually(cond: () => boolean, ms: number, what: string):
     if (performance.now() > end) throw new Error(`timed out after ${ms} ms waiting for ${what}`);
     await new Promise((r) => setImmediate(r));
   }
+}
+
+/**
+ * A WRITE-with-immediate ping-pong of `n` rounds, one message in flight:
+ * each side writes 8 bytes with the round's immediate into memory the other
+ * granted, and the other checks the immediate before answering.
+ */
+export async function writeImmPingPong({ server, client }: ApiPair, n: number): Promise<void> {
+  const [toServer, toClient] = await Promise.all([client.requestRemoteMr(8), server.requestRemoteMr(8)]);
+  const [cl, sl] = [client.allocLocalMr(8), server.allocLocalMr(8)];
+  for (let i = 0; i < n; i++) {
+    cl.bytes.set(pattern(8, i));
+    await client.writeWithImm(cl, toServer, i);
+    assert.equal(await server.receiveWriteImm(), i);
+    sl.bytes.set(pattern(8, i + 1));
+    await server.writeWithImm(sl, toClient, i + 1);
+    assert.equal(await client.receiveWriteImm(), i + 1);
+  }
+  toServer.dispose();
+  toClient.dispose();
+  cl.dispose();
+  sl.dispose();
 }
