@@ -16,12 +16,19 @@
 // and rdma.receive() (the server sends each message it receives back; the
 // client keeps the concurrency's worth of send-then-receive in flight).
 //
-//   node bench/rpc-vs-node.mjs [--runs 3] [--calls 20000] [--warmup-ms 2000] [--sizes 32,4096] [--provider tcp|verbs] [--eager BYTES] [--layer rpc|sendrecv]
+//
+// --node-spin: the Node socket reference (server and client) keeps its event
+// loop turning instead of sleeping in epoll between socket events
+// (bench/lib/spin.mjs), as the library's default adaptive polling does after
+// activity; without it the reference is a plain Node program, which sleeps.
+//
+//   node bench/rpc-vs-node.mjs [--runs 3] [--calls 20000] [--warmup-ms 2000] [--sizes 32,4096] [--provider tcp|verbs] [--eager BYTES] [--layer rpc|sendrecv] [--node-spin]
 //
 // A program that reports: it never fails on a number.
 import { spawn } from "node:child_process";
 import net from "node:net";
 import { fileURLToPath } from "node:url";
+import { keepTurning, spinIfAsked } from "./lib/spin.mjs";
 
 const args = Object.fromEntries(process.argv.slice(2).reduce((a, v, i, all) => (v.startsWith("--") ? [...a, [v.slice(2), all[i + 1]]] : a), []));
 const RUNS = Number(args.runs ?? 3);
@@ -33,6 +40,8 @@ const EAGER = args.eager ?? process.env.RPC_BENCH_EAGER;
 const LAYER = args.layer ?? process.env.RPC_BENCH_LAYER ?? "rpc";
 if (LAYER !== "rpc" && LAYER !== "sendrecv") throw new Error("--layer rpc|sendrecv");
 const RECV_DEPTH = process.env.RPC_BENCH_RECV_DEPTH;
+const NODE_SPIN = process.argv.includes("--node-spin") || process.env.NODE_REF_SPIN === "1";
+if (NODE_SPIN) process.env.NODE_REF_SPIN = "1"; // the node server child reads it
 const builder = (B) => {
   const b = new B().setProvider(PROVIDER);
   if (EAGER !== undefined) b.setEagerThreshold(Number(EAGER));
@@ -67,6 +76,7 @@ if (process.argv[2] === "--serve") {
       }
     }
   } else {
+    spinIfAsked();
     const srv = net.createServer({ noDelay: true }, (s) => {
       let buf = Buffer.alloc(0);
       s.on("data", (d) => {
@@ -115,6 +125,7 @@ if (process.argv[2] === "--serve") {
   async function nodeClient(port) {
     const s = net.connect({ port, host: "127.0.0.1", noDelay: true });
     await new Promise((r) => s.once("connect", r));
+    const stopSpin = NODE_SPIN ? keepTurning() : () => {};
     const pending = new Map();
     let id = 0;
     let buf = Buffer.alloc(0);
@@ -141,7 +152,10 @@ if (process.argv[2] === "--serve") {
           pending.set(id, r);
           s.write(Buffer.concat([h, b]));
         }),
-      close: async () => s.destroy(),
+      close: async () => {
+        stopSpin();
+        s.destroy();
+      },
     };
   }
   async function run(kind, conc, size) {
@@ -170,7 +184,7 @@ if (process.argv[2] === "--serve") {
     return { rate: CALLS / secs, p50: lat[Math.floor(lat.length * 0.5)], p99: lat[Math.floor(lat.length * 0.99)] };
   }
   const med = (xs) => xs.slice().sort((a, b) => a - b)[Math.floor(xs.length / 2)];
-  console.log(`# ${LAYER === "rpc" ? "rpc" : "send/receive"} echo, ${CALLS} calls after ${WARMUP_MS} ms of warm-up, ${RUNS} runs (medians), provider ${PROVIDER}${EAGER === undefined ? "" : `, eager threshold ${EAGER} B both sides`}; load ${(await import("node:os")).loadavg()[0].toFixed(2)}`);
+  console.log(`# ${LAYER === "rpc" ? "rpc" : "send/receive"} echo, ${CALLS} calls after ${WARMUP_MS} ms of warm-up, ${RUNS} runs (medians), provider ${PROVIDER}${EAGER === undefined ? "" : `, eager threshold ${EAGER} B both sides`}${NODE_SPIN ? ", the node reference's event loops kept turning (--node-spin)" : ""}; load ${(await import("node:os")).loadavg()[0].toFixed(2)}`);
   console.log(`| payload | concurrency | ${LAYER === "rpc" ? "async-rdma/rpc" : "send/receive"} calls/s | p50 ms | p99 ms | node socket calls/s | p50 ms | p99 ms | ratio |`);
   console.log("|---|---|---|---|---|---|---|---|---|");
   for (const size of SIZES) {

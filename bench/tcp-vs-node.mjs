@@ -7,7 +7,12 @@
 //   latency:   `async-rdma perf write_lat` (and send_lat, write_lat --write_imm)
 //              vs a Node TCP ping-pong (bench/lib/node-tcp.mjs pp), half RTT
 //
-//   node bench/tcp-vs-node.mjs [--runs 3] [--netns] [--json] [--sizes 64,4096,65536,1048576|none] [--lat-iters N]
+//   node bench/tcp-vs-node.mjs [--runs 3] [--netns] [--json] [--sizes 64,4096,65536,1048576|none] [--lat-iters N] [--node-spin]
+//
+// --node-spin: the Node reference keeps its event loop turning instead of
+// sleeping in epoll between socket events (bench/lib/spin.mjs), as the
+// library's default adaptive polling does after activity; without it the
+// reference is a plain Node program, which sleeps.
 //
 // --lat-iters 0 skips the latency tests (bandwidth only; bench/ab.mjs's write-bw entries);
 // --sizes none skips the bandwidth tests (latency only; its *-lat entries).
@@ -18,10 +23,10 @@
 import { CLI, NODE, ROOT, flags, fmt, jsonLines, loadavg, machine, median, netnsUp, pair, requireBuild, sizeLabel, table, usageExit } from "./lib/common.mjs";
 import { join } from "node:path";
 
-const USAGE = "usage: node bench/tcp-vs-node.mjs [--runs N] [--netns] [--json] [--sizes 64,4096,...] [--lat-iters N]";
+const USAGE = "usage: node bench/tcp-vs-node.mjs [--runs N] [--netns] [--json] [--sizes 64,4096,...] [--lat-iters N] [--node-spin]";
 let o;
 try {
-  o = flags(process.argv.slice(2), { runs: 3, netns: false, json: false, sizes: "64,4096,65536,1048576", "lat-iters": 10000 });
+  o = flags(process.argv.slice(2), { runs: 3, netns: false, json: false, sizes: "64,4096,65536,1048576", "lat-iters": 10000, "node-spin": false });
 } catch (e) {
   usageExit(e.message, USAGE);
 }
@@ -32,6 +37,8 @@ const SIZES = o.sizes === "none" ? [] : o.sizes.split(",").map(Number);
 /** Same operation count on both sides, sized for ~0.2–2 s per run here. */
 const COUNT = (size) => (size <= 4096 ? 50_000 : size <= 65536 ? 10_000 : 1000);
 const REF = join(ROOT, "bench", "lib", "node-tcp.mjs");
+// The reference's children read it (bench/lib/node-tcp.mjs); ours ignore it.
+if (o["node-spin"]) process.env.NODE_REF_SPIN = "1";
 
 let ns = null;
 if (o.netns) ns = netnsUp();
@@ -81,7 +88,7 @@ async function compare(a, b, pickA, pickB) {
 
 const results = [];
 const t0 = performance.now();
-console.error(`tcp-vs-node: ${where}; ${o.runs} runs each; load average ${loadavg()}`);
+console.error(`tcp-vs-node: ${where}; ${o.runs} runs each; load average ${loadavg()}${o["node-spin"] ? "; the Node reference keeps its loop turning (--node-spin)" : ""}`);
 for (const size of SIZES) {
   const n = COUNT(size);
   const r = await compare(
@@ -114,7 +121,7 @@ if (o.json) {
   console.log(JSON.stringify({ where, machine: machine(), runs: o.runs, seconds: secs, results }, null, 2));
 } else {
   console.log(`\n## tcp provider vs plain Node TCP — ${where}\n`);
-  console.log(`machine: ${machine()}; ${o.runs} runs each, medians; load average at end ${loadavg()}; ${secs.toFixed(0)} s\n`);
+  console.log(`machine: ${machine()}; ${o.runs} runs each, medians; load average at end ${loadavg()}; ${secs.toFixed(0)} s${o["node-spin"] ? "; node: its event loop kept turning (--node-spin)" : ""}\n`);
   const rows = results.map((r) => [
     r.what,
     r.kind === "bw" ? "MB/s (avg)" : "µs (typical, half RTT)",

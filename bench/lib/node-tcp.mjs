@@ -10,7 +10,12 @@
 //   node bench/lib/node-tcp.mjs client HOST PORT pp SIZE COUNT [WARM]
 //       ping-pong: SIZE bytes out, the server echoes them; latency = RTT / 2.
 // Both sides set TCP_NODELAY. Prints one JSON result line (MB = 2^20 bytes).
+// With NODE_REF_SPIN=1 in the environment both sides keep their event loop
+// turning (bench/lib/spin.mjs): the reference for a library that spins.
 import net from "node:net";
+import { spinIfAsked } from "./spin.mjs";
+
+const stopSpin = spinIfAsked();
 
 const [role, ...rest] = process.argv.slice(2);
 
@@ -153,5 +158,6 @@ if (role === "server") {
     const pct = (p) => s[Math.min(count - 1, Math.ceil(p * count) - 1)];
     console.log(JSON.stringify({ type: "result", mode, size, count, tMin: s[0], tTypical: s[count >> 1], tAvg: sum / count, p99: pct(0.99), p999: pct(0.999), tMax: s[count - 1] }));
   }
+  stopSpin();
   sock.end();
 } else usage();

@@ -428,7 +428,8 @@ export interface CompletionQueue {
    * Completions are produced only by this thread's event loop (a software
    * provider), never by hardware behind its back: an armed CQ is always
    * notified, and polling between events can find nothing new. Busy and
-   * adaptive polling then wait for the notification instead of spinning.
+   * adaptive polling then keep the CQ armed and spin by keeping the event
+   * loop turning, so the next event is read without a sleep and a wake-up.
    */
   readonly eventDriven?: boolean;
   /**

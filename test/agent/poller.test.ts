@@ -143,6 +143,67 @@ describe("polling under CPU contention", () => {
   }
 });
 
+describe("an event-driven CQ (tcp: completions come from this thread's socket events)", () => {
+  /** An empty CQ marked event-driven, counting its arms. */
+  const eventCq = (): CompletionQueue & { arms: number } => Object.assign(emptyCq(), { eventDriven: true });
+  const spinning = (): boolean => process.getActiveResourcesInfo().includes("Immediate");
+  /** A detector that never says "contended". */
+  const calm = (): Contention => new Contention({ name: "calm", read: () => 0, exceeded: () => false });
+
+  it("event: armed, and nothing keeps the loop turning after activity", async () => {
+    const cq = eventCq();
+    const p = new Poller(cq, "event", 60_000_000, () => {}, () => {}, calm());
+    try {
+      p.start();
+      p.afterPost(1, 1);
+      await turns(3);
+      assert.ok(cq.arms >= 1, "armed");
+      assert.ok(!spinning(), `no Immediate (${process.getActiveResourcesInfo().join(", ")})`);
+    } finally {
+      p.stop();
+    }
+  });
+
+  for (const mode of ["busy", "adaptive"] as const) {
+    it(`${mode}: stays armed (completions come as events) and keeps the loop turning while it would poll`, async () => {
+      const cq = eventCq();
+      const p = new Poller(cq, mode, 60_000_000, () => {}, () => {}, calm());
+      try {
+        p.start();
+        p.afterPost(1, 1);
+        const arms = cq.arms;
+        assert.ok(arms >= 1, "armed from the start, busy included");
+        await turns(20);
+        assert.ok(spinning(), "the loop keeps turning");
+        assert.ok(cq.arms > arms, "re-armed on each turn: never left unarmed");
+      } finally {
+        p.stop();
+      }
+      await turns(2);
+      assert.ok(!spinning(), `stopped: no Immediate left (${process.getActiveResourcesInfo().join(", ")})`);
+    });
+  }
+
+  it("adaptive: stops turning once spinUs passed without activity, and starts again on the next post", async () => {
+    const cq = eventCq();
+    const p = new Poller(cq, "adaptive", 2_000, () => {}, () => {}, calm());
+    try {
+      p.start();
+      p.afterPost(1, 1);
+      assert.ok(spinning(), "turning after the post");
+      const end = performance.now() + 5_000;
+      while (spinning()) {
+        assert.ok(performance.now() < end, "still turning long after spinUs (2 ms)");
+        await new Promise((r) => setTimeout(r, 1));
+      }
+      p.afterPost(1, 1);
+      assert.ok(spinning(), "turning again after the next post");
+    } finally {
+      p.stop();
+    }
+  });
+});
+
 describe("a completion that ends the connection", () => {
   it("stops the drain: the destroyed CQ is neither polled nor armed again (no uncaught error)", () => {
     // A CQ with three completions; the first one's handler tears the connection down
