@@ -175,6 +175,25 @@ const POLL_BUDGET = 512;
 /** Synchronous CQ polls after posting, per event-loop turn, in busy and adaptive modes. */
 const SYNC_POLLS = 64;
 
+/**
+ * Pollers of event-driven CQs keeping the loop turning: one Immediate per
+ * turn serves all of this thread's (swapped lists, reused: a turn allocates
+ * nothing).
+ */
+let turners: Poller[] = [];
+let turnersSpare: Poller[] = [];
+let turnScheduled = false;
+
+function turnAll(): void {
+  turnScheduled = false;
+  const list = turners;
+  turners = turnersSpare;
+  turnersSpare = list;
+  const now = performance.now();
+  for (let i = 0; i < list.length; i++) list[i]!.onTurn(now);
+  list.length = 0;
+}
+
 export class Poller {
   private readonly cbuf = new CompletionBuffer(128);
   /** Inside a drain (completion handlers run): batched work waits for its end. */
@@ -234,7 +253,8 @@ export class Poller {
     // Only when nothing else was outstanding (a request/response step): with a window in
     // flight the poll loop is already running and an extra poll per post only costs. An
     // event-driven CQ completes nothing inside a post.
-    if (!this.eventDriven && outstanding === n && this.syncPolls < SYNC_POLLS) {
+    if (this.eventDriven) return this.turn();
+    if (outstanding === n && this.syncPolls < SYNC_POLLS) {
       this.syncPolls++;
       this.pollNow();
     }
@@ -296,7 +316,35 @@ export class Poller {
     this.cq.requestNotify();
     while (!this.stopped && (n = this.cq.poll(b)) > 0) for (let i = 0; i < n && !this.stopped; i++) this.onCompletion(b, i);
     // Event-driven and spinning: armed, and the loop keeps turning without sleeping in epoll.
-    if (spin) this.schedule();
+    if (spin) this.turn();
+  }
+
+  /**
+   * Event-driven CQ: keeps the event loop turning (one Immediate per turn)
+   * while this poller would poll. A turn does nothing else: the CQ is armed,
+   * and its notification comes inside the socket read that completes work.
+   */
+  private turn(): void {
+    if (this.turning || this.stopped) return;
+    this.turning = true;
+    turners.push(this);
+    if (!turnScheduled) {
+      turnScheduled = true;
+      setImmediate(turnAll);
+    }
+  }
+
+  private turning = false;
+
+  /** A turn of the loop it kept turning (turnAll): another one while it would still poll. */
+  onTurn(now: number): void {
+    this.turning = false;
+    if (this.stopped || this.mode === "event") return;
+    if (this.detector.contended(now)) {
+      this.detector.gaveWay++;
+      return;
+    }
+    if (this.mode === "busy" ? this.keepAlive : now - this.lastActivity < this.spinUs / 1000) this.turn();
   }
 
   private schedule(): void {

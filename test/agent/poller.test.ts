@@ -175,7 +175,11 @@ describe("an event-driven CQ (tcp: completions come from this thread's socket ev
         assert.ok(arms >= 1, "armed from the start, busy included");
         await turns(20);
         assert.ok(spinning(), "the loop keeps turning");
-        assert.ok(cq.arms > arms, "re-armed on each turn: never left unarmed");
+        // A notification (the CQ disarms itself when it notifies): the drain arms it again.
+        cq.onNotify!();
+        assert.ok(cq.arms > arms, "re-armed after the notification's drain: never left unarmed");
+        await turns(3);
+        assert.ok(spinning(), "still turning after the notification");
       } finally {
         p.stop();
       }
