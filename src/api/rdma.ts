@@ -420,8 +420,9 @@ export class Rdma {
    * Lets the process exit while this connection is open and idle, as
    * `socket.unref()` does (the connection still works while something else
    * keeps the process alive). An operation in flight does not hold the
-   * process either. In busy polling mode an unref'd connection waits on
-   * completion events between completions.
+   * process either. In busy and adaptive polling modes an unref'd connection
+   * waits on completion events between completions (spinning would hold the
+   * process).
    */
   unref(): this {
     this.conn.setKeepAlive(false);
