@@ -25,6 +25,8 @@
 //   write-bw-1m     the same at 1 MiB
 //   write-bw-64-vs-node, -4k-vs-node, -64k-vs-node, -1m-vs-node: the same run's ratio to a plain Node TCP
 //                   stream measured right beside it (less sensitive to load than MB/s)
+//   sparse-call, sparse-cpu-client, sparse-cpu-server: one 32 B RPC call every ms in adaptive polling
+//                   (bench/polling-cost.mjs --shape sparse, one run): µs per call, each side's CPU µs per call
 //   write-lat, write-imm-lat, send-lat: tcp 8 B half round trip µs (perf CLI write_lat,
 //                   write_lat --write_imm, send_lat; bench/tcp-vs-node.mjs, one run each),
 //                   and -vs-node: the ratio to a Node ping-pong measured beside it
@@ -83,6 +85,14 @@ for (const [name, test] of [
   const row = `\\| ${test.replace(/[-]/g, "\\-")} +\\| µs \\(typical, half RTT\\) +\\| `;
   BENCHES[name] = { args, re: new RegExp(row + "([\\d.,]+) "), unit: "µs", better: "lower" };
   BENCHES[`${name}-vs-node`] = { args, re: new RegExp(row + "[\\d.,]+ +\\| [\\d.,]+ +\\| ([\\d.]+)×"), unit: "× node", better: "lower" };
+}
+// bench/polling-cost.mjs's row: | adaptive | µs per call | client CPU µs/call | server CPU µs/call | runs |
+{
+  const args = ["bench/polling-cost.mjs", "--shape", "sparse", "--modes", "adaptive", "--runs", "1", "--calls", "2000"];
+  const cells = (n) => new RegExp("\\| adaptive \\| " + "[\\d.]+ \\| ".repeat(n) + "([\\d.]+) \\|");
+  BENCHES["sparse-call"] = { args, re: cells(0), unit: "µs/call", better: "lower" };
+  BENCHES["sparse-cpu-client"] = { args, re: cells(1), unit: "µs/call", better: "lower" };
+  BENCHES["sparse-cpu-server"] = { args, re: cells(2), unit: "µs/call", better: "lower" };
 }
 const chosen = String(opt("bench", "rpc-cpu,send-inprocess")).split(",");
 for (const b of chosen) if (!BENCHES[b]) throw new Error(`unknown benchmark ${b} (known: ${Object.keys(BENCHES).join(", ")})`);

@@ -124,7 +124,15 @@ export function makeParts(host: PartsHost, qp: QueuePair, cq: CompletionQueue, p
     opts.keepaliveMs,
     opts.peerTimeoutMs,
   );
-  const poller = new Poller(cq, opts.polling, opts.spinUs, (b, i) => host.onCompletion(b, i), () => host.afterDrain());
+  const poller = new Poller(
+    cq,
+    opts.polling,
+    opts.spinUs,
+    (b, i) => host.onCompletion(b, i),
+    () => host.afterDrain(),
+    undefined,
+    () => lanes.outstanding > 0,
+  );
   const life: Lifecycle = new Lifecycle({
     qp,
     cq,

@@ -5,7 +5,8 @@
  * - "busy": never arm while the connection is open; poll once per event-loop
  *   turn (setImmediate);
  * - "adaptive" (default): poll, unarmed, for `spinUs` after any activity (a
- *   post, a send completion, an arrival), then arm.
+ *   post, a send completion, an arrival), then arm; on an event-driven CQ,
+ *   only through the waits of a running exchange (below).
  *
  * In busy and adaptive modes a post is followed by a synchronous poll when
  * nothing else was outstanding (a software device or a loopback often
@@ -20,7 +21,21 @@
  * would poll, so the next socket event is read without the process going
  * to sleep in epoll and being woken again (on a 2-core VM that wake-up cost
  * more than the whole round trip's JavaScript: an RPC call at concurrency 1
- * went from about 100 to 30 µs).
+ * went from about 100 to 30 µs). Adaptive there turns only through a wait
+ * of a running exchange:
+ * - only while work is outstanding in the send queue. A tcp send completes
+ *   when the peer's ACK arrives, and that ACK rides on the peer's next
+ *   message (its answer, the next request) when one follows within its
+ *   turn; so a request/response exchange keeps both sides turning, and a
+ *   side whose last message was acknowledged with nothing following sleeps
+ *   at once;
+ * - not through a wait that follows more than IDLE_SPIN_FACTOR × spinUs of
+ *   waiting for nothing: in traffic that sparse the peer sleeps too, its
+ *   wake-up outlasts the spin, and the spin is paid for nothing (one call
+ *   per millisecond cost each side about 60 µs of CPU per call).
+ * On verbs a send completes on the hardware ACK, long before any answer,
+ * and nothing is known of idle time: there adaptive spins after any
+ * activity.
  *
  * Spinning pays only while this process has a core to itself. When it
  * waits for a core while runnable (another runnable process wants it, often
@@ -172,6 +187,12 @@ export type PollingMode = "event" | "busy" | "adaptive";
 
 /** Completions handled per event-loop turn before yielding ("512 ops" as zeromq.js does). */
 const POLL_BUDGET = 512;
+/**
+ * Event-driven CQ, adaptive mode: a connection that waited for nothing for
+ * more than this many times spinUs before it posted (sparse traffic) does
+ * not spin through the wait that post starts.
+ */
+const IDLE_SPIN_FACTOR = 4;
 /** Synchronous CQ polls after posting, per event-loop turn, in busy and adaptive modes. */
 const SYNC_POLLS = 64;
 
@@ -214,6 +235,12 @@ export class Poller {
     /** After each drain (post batched receives, tear down when drained). */
     private readonly afterDrain: () => void,
     private readonly detector: Contention = contention,
+    /**
+     * Event-driven CQ, adaptive mode: is the connection waiting for
+     * something (work outstanding in the send queue)? It spins only then,
+     * and an idle time is measured only between two such waits.
+     */
+    private readonly waiting: () => boolean = () => true,
   ) {
     this.mode = mode;
     // A CQ whose completions only this thread's event loop produces (tcp) has nothing to
@@ -249,12 +276,18 @@ export class Poller {
   afterPost(n: number, outstanding: number): void {
     this.lastActivity = performance.now();
     // In a back-off period the poller is armed (or already scheduled): no poll, no spin.
-    if (this.mode === "event" || this.detector.inBackoff(this.lastActivity)) return;
+    if (this.mode === "event") return;
+    // Event-driven: a wait starts with a post while nothing was outstanding.
+    if (this.eventDriven && !this.waitingNow) {
+      this.waitingNow = true;
+      this.idleLong = this.idleFrom >= 0 && this.lastActivity - this.idleFrom > (IDLE_SPIN_FACTOR * this.spinUs) / 1000;
+    }
+    if (this.detector.inBackoff(this.lastActivity)) return;
     // Only when nothing else was outstanding (a request/response step): with a window in
     // flight the poll loop is already running and an extra poll per post only costs. An
     // event-driven CQ completes nothing inside a post.
     if (this.eventDriven) {
-      if (this.keepAlive) this.turn();
+      if (this.keepAlive && !(this.mode === "adaptive" && this.idleLong)) this.turn();
       return;
     }
     if (outstanding === n && this.syncPolls < SYNC_POLLS) {
@@ -299,8 +332,17 @@ export class Poller {
     }
     if (this.stopped) return;
     if (budget === 0) return this.schedule();
-    // Kept waiting for a core while spinning: another process needs it; sleep on events for a while.
     const now = performance.now();
+    // Event-driven: completions ended the wait (nothing outstanding): idle from now; or came
+    // while it goes on (a window in flight): the exchange runs, whatever the idle time before.
+    if (this.waitingNow && budget < POLL_BUDGET) {
+      if (this.waiting()) this.idleLong = false;
+      else {
+        this.waitingNow = false;
+        this.idleFrom = now;
+      }
+    }
+    // Kept waiting for a core while spinning: another process needs it; sleep on events for a while.
     const giveWay = this.mode !== "event" && this.detector.contended(now);
     if (giveWay) this.detector.gaveWay++;
     let spin = false;
@@ -313,7 +355,7 @@ export class Poller {
       // arrives while nothing is outstanding here. Then fall back to completion events.
       if (budget < POLL_BUDGET) this.lastActivity = now;
       // Unref'd, as busy: the per-turn Immediate would hold the process.
-      spin = this.keepAlive && now - this.lastActivity < this.spinUs / 1000;
+      spin = this.keepAlive && now - this.lastActivity < this.spinUs / 1000 && (!this.eventDriven || this.spinsForWait());
     }
     if (spin && !this.eventDriven) return this.schedule();
     // Arm, then poll once more: a completion between the last poll and the arm raises no event.
@@ -348,7 +390,27 @@ export class Poller {
       this.detector.gaveWay++;
       return;
     }
-    if (this.keepAlive && (this.mode === "busy" || now - this.lastActivity < this.spinUs / 1000)) this.turn();
+    if (this.keepAlive && (this.mode === "busy" || (now - this.lastActivity < this.spinUs / 1000 && this.spinsForWait()))) this.turn();
+  }
+
+  /** Event-driven: the connection waits for something (work outstanding), as of the last post or drain. */
+  private waitingNow = false;
+  /** Event-driven: when it last stopped waiting (performance.now(); -1: never waited). */
+  private idleFrom = -1;
+  /** Event-driven: it waited for nothing for more than IDLE_SPIN_FACTOR × spinUs before the current wait. */
+  private idleLong = false;
+
+  /**
+   * Event-driven, adaptive: spin through this wait? Only while the
+   * connection waits for something, and only in a running exchange: a
+   * connection that sat idle for long before this wait (traffic sparse
+   * enough that the peer sleeps, and its wake-up outlasts any spin) sleeps.
+   * The idle time, not the wait, decides: a wait measured while both sides
+   * sleep includes both wake-ups, and would keep an exchange that could run
+   * at spinning speed at sleeping speed.
+   */
+  private spinsForWait(): boolean {
+    return !this.idleLong && this.waiting();
   }
 
   private schedule(): void {

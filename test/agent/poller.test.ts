@@ -206,6 +206,109 @@ describe("an event-driven CQ (tcp: completions come from this thread's socket ev
       p.stop();
     }
   });
+
+  /** An event-driven CQ that hands out `pending` completions when polled. */
+  const scriptedCq = (): CompletionQueue & { arms: number; pending: number } => {
+    const cq = Object.assign(eventCq(), { pending: 0 });
+    cq.poll = (b: CompletionBuffer, max?: number) => {
+      const n = Math.min(cq.pending, max ?? b.capacity);
+      for (let i = 0; i < n; i++) b.wrId[i] = i;
+      cq.pending -= n;
+      return n;
+    };
+    return cq;
+  };
+  /** The connection's state as a poller sees it: work outstanding, and a completion that acknowledges it. */
+  const exchange = (cq: ReturnType<typeof scriptedCq>) => {
+    const s = {
+      outstanding: 0,
+      post(p: Poller) {
+        s.outstanding++;
+        p.afterPost(1, s.outstanding);
+      },
+      /** The peer's ACK (or answer) arrives: one completion, nothing outstanding after it. */
+      acked() {
+        s.outstanding = 0;
+        cq.pending++;
+        cq.onNotify!();
+      },
+      /** One of several outstanding is acknowledged. */
+      ackOne() {
+        s.outstanding--;
+        cq.pending++;
+        cq.onNotify!();
+      },
+    };
+    return s;
+  };
+
+  it("adaptive: turns only while the connection waits for something (work outstanding), spinUs notwithstanding", async () => {
+    const cq = scriptedCq();
+    const x = exchange(cq);
+    const p = new Poller(cq, "adaptive", 60_000_000, () => {}, () => {}, calm(), () => x.outstanding > 0);
+    try {
+      p.start();
+      p.touch();
+      cq.pending++;
+      cq.onNotify!(); // an arrival while nothing of ours is outstanding
+      await turns(3);
+      assert.ok(!spinning(), `an arrival while waiting for nothing: no turning (${process.getActiveResourcesInfo().join(", ")})`);
+      x.post(p);
+      await turns(20);
+      assert.ok(spinning(), "a send outstanding: the loop keeps turning");
+      x.acked();
+      await turns(3);
+      assert.ok(!spinning(), `the send acknowledged: turning stops at once (${process.getActiveResourcesInfo().join(", ")})`);
+      assert.ok(cq.arms >= 1, "armed throughout");
+    } finally {
+      p.stop();
+    }
+  });
+
+  it("adaptive: after more than 4 × spinUs idle (sparse traffic) the next wait sleeps; in a running exchange every wait spins", async () => {
+    const cq = scriptedCq();
+    const x = exchange(cq);
+    const spinUs = 2_000;
+    const p = new Poller(cq, "adaptive", spinUs, () => {}, () => {}, calm(), () => x.outstanding > 0);
+    try {
+      p.start();
+      x.post(p);
+      assert.ok(spinning(), "the first wait spins");
+      x.acked();
+      const idleAt = performance.now();
+      // Idle for well over 4 × spinUs (8 ms): wait for that time to have passed.
+      while (performance.now() - idleAt < 12) await new Promise((r) => setTimeout(r, 1));
+      assert.ok(!spinning(), "idle: no turning");
+      x.post(p);
+      await turns(2);
+      assert.ok(!spinning(), `a post after a long idle time: the wait sleeps on events (${process.getActiveResourcesInfo().join(", ")})`);
+      x.acked();
+      // The exchange runs: the next post follows its answer at once.
+      x.post(p);
+      assert.ok(spinning(), "a post right after the last answer: the wait spins");
+      x.acked();
+      await turns(3);
+      assert.ok(!spinning(), "acknowledged: no turning left");
+      x.post(p);
+      assert.ok(spinning(), "and the next one");
+      x.acked();
+      // Idle again, then a window of two: the first wait sleeps; a completion that leaves one
+      // outstanding shows the exchange running, and the rest of the wait spins.
+      const idle2 = performance.now();
+      while (performance.now() - idle2 < 12) await new Promise((r) => setTimeout(r, 1));
+      x.post(p);
+      x.post(p);
+      await turns(2);
+      assert.ok(!spinning(), "a window posted after a long idle time: sleeps");
+      x.ackOne();
+      assert.ok(spinning(), "one acknowledged, one still outstanding: spins");
+      x.acked();
+      await turns(3);
+      assert.ok(!spinning(), "all acknowledged: no turning left");
+    } finally {
+      p.stop();
+    }
+  });
 });
 
 describe("a completion that ends the connection", () => {
