@@ -190,7 +190,8 @@ const POLL_BUDGET = 512;
 /**
  * Event-driven CQ, adaptive mode: a connection that waited for nothing for
  * more than this many times spinUs before it posted (sparse traffic) does
- * not spin through the wait that post starts.
+ * not spin through the wait that post starts, until completions come while
+ * that wait goes on (a window in flight). A connection's first wait spins.
  */
 const IDLE_SPIN_FACTOR = 4;
 /** Synchronous CQ polls after posting, per event-loop turn, in busy and adaptive modes. */
@@ -275,13 +276,13 @@ export class Poller {
   /** A list of `n` work requests was just posted, `outstanding` now in the send queue. */
   afterPost(n: number, outstanding: number): void {
     this.lastActivity = performance.now();
-    // In a back-off period the poller is armed (or already scheduled): no poll, no spin.
     if (this.mode === "event") return;
-    // Event-driven: a wait starts with a post while nothing was outstanding.
+    // Event-driven: a post while no wait is open opens one.
     if (this.eventDriven && !this.waitingNow) {
       this.waitingNow = true;
       this.idleLong = this.idleFrom >= 0 && this.lastActivity - this.idleFrom > (IDLE_SPIN_FACTOR * this.spinUs) / 1000;
     }
+    // In a back-off period the poller is armed (or already scheduled): no poll, no spin.
     if (this.detector.inBackoff(this.lastActivity)) return;
     // Only when nothing else was outstanding (a request/response step): with a window in
     // flight the poll loop is already running and an extra poll per post only costs. An
@@ -321,6 +322,8 @@ export class Poller {
   }
 
   private drain(): void {
+    // A wait opened by a post inside this drain is not one that completions came during.
+    const waitBefore = this.waitingNow;
     let budget = POLL_BUDGET;
     let n: number;
     const b = this.cbuf;
@@ -331,17 +334,16 @@ export class Poller {
       for (let i = 0; i < n && !this.stopped; i++) this.onCompletion(b, i);
     }
     if (this.stopped) return;
-    if (budget === 0) return this.schedule();
     const now = performance.now();
     // Event-driven: completions ended the wait (nothing outstanding): idle from now; or came
     // while it goes on (a window in flight): the exchange runs, whatever the idle time before.
     if (this.waitingNow && budget < POLL_BUDGET) {
-      if (this.waiting()) this.idleLong = false;
-      else {
+      if (!this.waiting()) {
         this.waitingNow = false;
         this.idleFrom = now;
-      }
+      } else if (waitBefore) this.idleLong = false;
     }
+    if (budget === 0) return this.schedule();
     // Kept waiting for a core while spinning: another process needs it; sleep on events for a while.
     const giveWay = this.mode !== "event" && this.detector.contended(now);
     if (giveWay) this.detector.gaveWay++;

@@ -246,11 +246,14 @@ describe("an event-driven CQ (tcp: completions come from this thread's socket ev
     const cq = scriptedCq();
     const x = exchange(cq);
     const p = new Poller(cq, "adaptive", 60_000_000, () => {}, () => {}, calm(), () => x.outstanding > 0);
+    await turns(2); // the previous test's last turn
+    assert.ok(!spinning(), `a clean start (${process.getActiveResourcesInfo().join(", ")})`);
     try {
       p.start();
       p.touch();
       cq.pending++;
       cq.onNotify!(); // an arrival while nothing of ours is outstanding
+      assert.ok(!spinning(), "an arrival while waiting for nothing: not even one turn");
       await turns(3);
       assert.ok(!spinning(), `an arrival while waiting for nothing: no turning (${process.getActiveResourcesInfo().join(", ")})`);
       x.post(p);
@@ -280,6 +283,7 @@ describe("an event-driven CQ (tcp: completions come from this thread's socket ev
       while (performance.now() - idleAt < 12) await new Promise((r) => setTimeout(r, 1));
       assert.ok(!spinning(), "idle: no turning");
       x.post(p);
+      assert.ok(!spinning(), "a post after a long idle time: not even one turn");
       await turns(2);
       assert.ok(!spinning(), `a post after a long idle time: the wait sleeps on events (${process.getActiveResourcesInfo().join(", ")})`);
       x.acked();
@@ -305,6 +309,73 @@ describe("an event-driven CQ (tcp: completions come from this thread's socket ev
       x.acked();
       await turns(3);
       assert.ok(!spinning(), "all acknowledged: no turning left");
+    } finally {
+      p.stop();
+    }
+  });
+
+  it("adaptive: a post made inside a drain (credits arrive, queued work is posted) after a long idle time opens a wait that sleeps", async () => {
+    const cq = scriptedCq();
+    let outstanding = 0;
+    let postInDrain = false;
+    const post = (): void => {
+      outstanding++;
+      p.afterPost(1, outstanding);
+    };
+    const p: Poller = new Poller(
+      cq,
+      "adaptive",
+      2_000,
+      () => {
+        if (postInDrain) {
+          postInDrain = false;
+          post();
+        }
+      },
+      () => {},
+      calm(),
+      () => outstanding > 0,
+    );
+    try {
+      p.start();
+      post();
+      outstanding = 0; // acknowledged: the wait ends, idle from now
+      cq.pending++;
+      cq.onNotify!();
+      await turns(3);
+      assert.ok(!spinning(), "idle");
+      const idleAt = performance.now();
+      while (performance.now() - idleAt < 12) await new Promise((r) => setTimeout(r, 1)); // > 4 × spinUs (8 ms)
+      postInDrain = true; // the peer's CREDIT arrives; its handling posts the queued work
+      cq.pending++;
+      cq.onNotify!();
+      assert.equal(outstanding, 1, "posted inside the drain");
+      await turns(2);
+      assert.ok(!spinning(), "the completion that made the post is not one that came while the wait went on");
+    } finally {
+      p.stop();
+    }
+  });
+
+  it("adaptive: a drain that uses up its budget of completions still closes the wait they ended", async () => {
+    const cq = scriptedCq();
+    let outstanding = 0;
+    const p = new Poller(cq, "adaptive", 2_000, () => {}, () => {}, calm(), () => outstanding > 0);
+    try {
+      p.start();
+      outstanding = 300;
+      p.afterPost(300, outstanding);
+      outstanding = 0; // one read brings 512 completions that acknowledge everything
+      cq.pending = 512;
+      cq.onNotify!();
+      await turns(3);
+      assert.ok(!spinning(), "idle");
+      const idleAt = performance.now();
+      while (performance.now() - idleAt < 12) await new Promise((r) => setTimeout(r, 1));
+      outstanding = 1;
+      p.afterPost(1, outstanding);
+      await turns(2);
+      assert.ok(!spinning(), "the wait after a long idle time sleeps: the previous one was closed");
     } finally {
       p.stop();
     }
