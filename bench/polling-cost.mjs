@@ -9,8 +9,12 @@
 // /proc/<pid>/stat: Linux only). Busy and adaptive polling spin after
 // activity; on sparse traffic that spin is paid for and not used.
 //
+// --handler async: the server answers after a turn of its event loop (it
+// awaits a setImmediate, as a handler that awaits I/O would), so its
+// acknowledgement of the call travels alone, before the answer.
+//
 //   node bench/polling-cost.mjs [--shape tight|sparse] [--modes event,adaptive] [--runs 3]
-//                               [--calls N] [--conc 1] [--gap-ms 1] [--size 32]
+//                               [--calls N] [--conc 1] [--gap-ms 1] [--size 32] [--handler sync|async]
 //
 // A program that reports: it never fails on a number.
 import { spawn } from "node:child_process";
@@ -26,6 +30,8 @@ const RUNS = Number(args.runs ?? 3);
 const CONC = Number(args.conc ?? 1);
 const GAP_MS = Number(args["gap-ms"] ?? 1);
 const SIZE = Number(args.size ?? 32);
+const HANDLER = args.handler ?? "sync";
+if (HANDLER !== "sync" && HANDLER !== "async") throw new Error("--handler sync|async");
 const CALLS = Number(args.calls ?? (SHAPE === "tight" ? 20000 : 2000));
 const self = fileURLToPath(import.meta.url);
 const dist = new URL("../dist/src/", import.meta.url);
@@ -35,11 +41,12 @@ const { RpcServer, RpcClient } = await import(new URL("rpc/index.js", dist));
 if (process.argv[2] === "--serve") {
   const l = await new RdmaBuilder().setProvider("tcp").setPolling(process.argv[3]).bind("127.0.0.1:0");
   console.log(`port ${l.port}`);
-  await new RpcServer({ echo: (b) => b }).listen(l);
+  const echo = process.argv[4] === "async" ? (b) => new Promise((r) => setImmediate(() => r(b))) : (b) => b;
+  await new RpcServer({ echo }).listen(l);
 } else {
   /** One run in `mode`: { rate, perCallUs, clientUs, serverUs }. */
   async function run(mode) {
-    const p = spawn(process.execPath, [self, "--serve", mode], { stdio: ["ignore", "pipe", "inherit"] });
+    const p = spawn(process.execPath, [self, "--serve", mode, HANDLER], { stdio: ["ignore", "pipe", "inherit"] });
     const port = await new Promise((res, rej) => {
       p.stdout.on("data", (d) => {
         const m = /port (\d+)/.exec(d.toString());
@@ -88,7 +95,7 @@ if (process.argv[2] === "--serve") {
   const res = Object.fromEntries(MODES.map((m) => [m, []]));
   for (let r = 0; r < RUNS; r++) for (const m of r % 2 ? [...MODES].reverse() : MODES) res[m].push(await run(m));
   const what = SHAPE === "tight" ? `${CONC} in flight, back to back` : `one call every ${GAP_MS} ms`;
-  console.log(`# rpc echo ${SIZE} B, ${what}, ${CALLS} calls, tcp provider, both sides in the mode; ${RUNS} runs (medians, modes alternating); load ${loadavg()[0].toFixed(2)}`);
+  console.log(`# rpc echo ${SIZE} B${HANDLER === "async" ? " (answered after a turn of the server's loop)" : ""}, ${what}, ${CALLS} calls, tcp provider, both sides in the mode; ${RUNS} runs (medians, modes alternating); load ${loadavg()[0].toFixed(2)}`);
   console.log(`| polling | ${SHAPE === "tight" ? "calls/s" : "µs per call"} | client CPU µs/call | server CPU µs/call | runs (${SHAPE === "tight" ? "calls/s" : "µs per call"}) |`);
   console.log("|---|---|---|---|---|");
   for (const m of MODES) {

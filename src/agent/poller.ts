@@ -6,7 +6,7 @@
  *   turn (setImmediate);
  * - "adaptive" (default): poll, unarmed, for `spinUs` after any activity (a
  *   post, a send completion, an arrival), then arm; on an event-driven CQ,
- *   only through the waits of a running exchange (below).
+ *   only in a running exchange (below).
  *
  * In busy and adaptive modes a post is followed by a synchronous poll when
  * nothing else was outstanding (a software device or a loopback often
@@ -21,21 +21,16 @@
  * would poll, so the next socket event is read without the process going
  * to sleep in epoll and being woken again (on a 2-core VM that wake-up cost
  * more than the whole round trip's JavaScript: an RPC call at concurrency 1
- * went from about 100 to 30 µs). Adaptive there turns only through a wait
- * of a running exchange:
- * - only while work is outstanding in the send queue. A tcp send completes
- *   when the peer's ACK arrives, and that ACK rides on the peer's next
- *   message (its answer, the next request) when one follows within its
- *   turn; so a request/response exchange keeps both sides turning, and a
- *   side whose last message was acknowledged with nothing following sleeps
- *   at once;
- * - not through a wait that follows more than IDLE_SPIN_FACTOR × spinUs of
- *   waiting for nothing: in traffic that sparse the peer sleeps too, its
- *   wake-up outlasts the spin, and the spin is paid for nothing (one call
- *   per millisecond cost each side about 60 µs of CPU per call).
- * On verbs a send completes on the hardware ACK, long before any answer,
- * and nothing is known of idle time: there adaptive spins after any
- * activity.
+ * went from about 100 to 30 µs). Adaptive there turns for spinUs after
+ * activity only in a running exchange: not when the connection waited for
+ * nothing (no work outstanding in the send queue) for more than
+ * IDLE_SPIN_FACTOR × spinUs before its current wait, or is idle that long
+ * now. In traffic that sparse the peer sleeps too, its wake-up outlasts
+ * the spin, and the spin is paid for nothing (one call per millisecond
+ * cost each side about 40-60 µs of CPU per call). Work outstanding is what
+ * a tcp connection waits for: a send completes when the peer's ACK
+ * arrives, which rides on the peer's next message. On verbs, where nothing
+ * of this is tracked, adaptive spins after any activity.
  *
  * Spinning pays only while this process has a core to itself. When it
  * waits for a core while runnable (another runnable process wants it, often
@@ -189,9 +184,10 @@ export type PollingMode = "event" | "busy" | "adaptive";
 const POLL_BUDGET = 512;
 /**
  * Event-driven CQ, adaptive mode: a connection that waited for nothing for
- * more than this many times spinUs before it posted (sparse traffic) does
- * not spin through the wait that post starts, until completions come while
- * that wait goes on (a window in flight). A connection's first wait spins.
+ * more than this many times spinUs (sparse traffic) does not spin on an
+ * arrival, nor through the wait its next post opens, nor after it, until
+ * completions come while a wait goes on (a window in flight). A
+ * connection's first wait spins.
  */
 const IDLE_SPIN_FACTOR = 4;
 /** Synchronous CQ polls after posting, per event-loop turn, in busy and adaptive modes. */
@@ -238,8 +234,9 @@ export class Poller {
     private readonly detector: Contention = contention,
     /**
      * Event-driven CQ, adaptive mode: is the connection waiting for
-     * something (work outstanding in the send queue)? It spins only then,
-     * and an idle time is measured only between two such waits.
+     * something (work outstanding in the send queue)? A post opens a wait,
+     * the completions after which this is false close it, and the time
+     * between two waits is the connection's idle time.
      */
     private readonly waiting: () => boolean = () => true,
   ) {
@@ -357,7 +354,7 @@ export class Poller {
       // arrives while nothing is outstanding here. Then fall back to completion events.
       if (budget < POLL_BUDGET) this.lastActivity = now;
       // Unref'd, as busy: the per-turn Immediate would hold the process.
-      spin = this.keepAlive && now - this.lastActivity < this.spinUs / 1000 && (!this.eventDriven || this.spinsForWait());
+      spin = this.keepAlive && now - this.lastActivity < this.spinUs / 1000 && (!this.eventDriven || this.runningExchange(now));
     }
     if (spin && !this.eventDriven) return this.schedule();
     // Arm, then poll once more: a completion between the last poll and the arm raises no event.
@@ -392,7 +389,7 @@ export class Poller {
       this.detector.gaveWay++;
       return;
     }
-    if (this.keepAlive && (this.mode === "busy" || (now - this.lastActivity < this.spinUs / 1000 && this.spinsForWait()))) this.turn();
+    if (this.keepAlive && (this.mode === "busy" || (now - this.lastActivity < this.spinUs / 1000 && this.runningExchange(now)))) this.turn();
   }
 
   /** Event-driven: the connection waits for something (work outstanding), as of the last post or drain. */
@@ -403,16 +400,16 @@ export class Poller {
   private idleLong = false;
 
   /**
-   * Event-driven, adaptive: spin through this wait? Only while the
-   * connection waits for something, and only in a running exchange: a
-   * connection that sat idle for long before this wait (traffic sparse
-   * enough that the peer sleeps, and its wake-up outlasts any spin) sleeps.
-   * The idle time, not the wait, decides: a wait measured while both sides
-   * sleep includes both wake-ups, and would keep an exchange that could run
-   * at spinning speed at sleeping speed.
+   * Event-driven, adaptive: is this a running exchange, where a spin can
+   * catch the next event? Not when the current (or last) wait was opened
+   * after a long idle time, nor while idle for long now: traffic that
+   * sparse lets the peer sleep too, and its wake-up outlasts any spin. The
+   * idle time decides, not the length of the waits: a wait measured while
+   * both sides sleep includes both wake-ups, and would keep an exchange
+   * that could run at spinning speed at sleeping speed.
    */
-  private spinsForWait(): boolean {
-    return !this.idleLong && this.waiting();
+  private runningExchange(now: number): boolean {
+    return !this.idleLong && (this.waitingNow || this.idleFrom < 0 || now - this.idleFrom <= (IDLE_SPIN_FACTOR * this.spinUs) / 1000);
   }
 
   private schedule(): void {

@@ -161,9 +161,9 @@ export class RdmaBuilder {
    * while (20 ms, doubling up to 640 ms) when the spinning thread keeps waiting for a core:
    * more busy processes than cores. On tcp, whose completions come from this thread's own
    * socket events, the CQ stays armed in every mode and busy and adaptive spin by keeping the
-   * event loop turning instead of polling; adaptive there spins only while something it sent
-   * is unacknowledged, and not after more than 4 × `spinUs` idle (sparse traffic sleeps as
-   * with "event"). An unref'd connection never spins.
+   * event loop turning instead of polling; adaptive there spins only in a running exchange,
+   * not after more than 4 × `spinUs` with everything it sent acknowledged (sparse traffic
+   * sleeps as with "event"). An unref'd connection never spins.
    */
   setPolling(mode: PollingMode, spinUs?: number): this {
     if (mode !== "event" && mode !== "busy" && mode !== "adaptive") throw new RdmaError("INVALID_ARGUMENT", `polling must be "event", "busy" or "adaptive", got ${String(mode)}`);
