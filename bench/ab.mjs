@@ -30,6 +30,7 @@
 //   rpc-64k-c1      calls/s of 64 KiB RPC calls back to back, one in flight (rendezvous), adaptive polling
 //   rpc-async-c1    calls/s of 32 B RPC calls back to back, one in flight, the server answering after a
 //                   turn of its loop (its ACK travels alone), adaptive polling
+//   oneway-c1       sends/s of 32 B send() back to back, one in flight, to a receiver that only receives
 //   write-lat, write-imm-lat, send-lat: tcp 8 B half round trip µs (perf CLI write_lat,
 //                   write_lat --write_imm, send_lat; bench/tcp-vs-node.mjs, one run each),
 //                   and -vs-node: the ratio to a Node ping-pong measured beside it
@@ -102,6 +103,9 @@ for (const [name, test] of [
   // 32 B calls back to back, one in flight, answered after a turn of the server's loop.
   const later = ["bench/polling-cost.mjs", "--shape", "tight", "--modes", "adaptive", "--runs", "1", "--calls", "10000", "--handler", "async"];
   BENCHES["rpc-async-c1"] = { args: later, re: cells(0), unit: "calls/s", better: "higher" };
+  // 32 B send() back to back, one in flight, to a receiver that only receives.
+  const oneway = ["bench/polling-cost.mjs", "--shape", "oneway", "--modes", "adaptive", "--runs", "1", "--calls", "10000"];
+  BENCHES["oneway-c1"] = { args: oneway, re: cells(0), unit: "sends/s", better: "higher" };
 }
 const chosen = String(opt("bench", "rpc-cpu,send-inprocess")).split(",");
 for (const b of chosen) if (!BENCHES[b]) throw new Error(`unknown benchmark ${b} (known: ${Object.keys(BENCHES).join(", ")})`);

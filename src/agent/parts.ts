@@ -131,9 +131,9 @@ export function makeParts(host: PartsHost, qp: QueuePair, cq: CompletionQueue, p
     (b, i) => host.onCompletion(b, i),
     () => host.afterDrain(),
     undefined,
-    // Waiting for something: a send not yet acknowledged, or a large send whose RNDV_DONE is due
-    // (its RNDV message was acknowledged by the peer's READ request, served in the same read).
-    () => lanes.outstanding > 0 || rndv.outstanding > 0,
+    // Waiting for something: a send not yet acknowledged, work queued for credits, or a large
+    // send whose RNDV_DONE is due (its RNDV message may be acknowledged long before).
+    () => lanes.outstanding > 0 || lanes.queued > 0 || rndv.outstanding > 0,
   );
   const life: Lifecycle = new Lifecycle({
     qp,

@@ -22,15 +22,22 @@
  * to sleep in epoll and being woken again (on a 2-core VM that wake-up cost
  * more than the whole round trip's JavaScript: an RPC call at concurrency 1
  * went from about 100 to 30 µs). Adaptive there turns for spinUs after
- * activity only in a running exchange: not when the connection waited for
- * nothing (no work outstanding in the send queue) for more than
- * IDLE_SPIN_FACTOR × spinUs before its current wait, or is idle that long
- * now. In traffic that sparse the peer sleeps too, its wake-up outlasts
+ * activity only in a running exchange. A post opens a wait; the
+ * completions after which nothing is outstanding close it (sends not yet
+ * acknowledged, work queued for credits, a rendezvous send awaiting its
+ * RNDV_DONE: the `waiting` callback). A wait opened after more than
+ * IDLE_SPIN_FACTOR × spinUs of idle time (since the last wait closed) is
+ * not spun, nor is the time after it, nor an arrival after such idle time;
+ * the exchange counts as running again once a post follows the close of a
+ * wait within that time, completions come while a wait goes on, or two
+ * messages arrive within it of each other (a side that only receives).
+ * In traffic sparser than that the peer sleeps too, its wake-up outlasts
  * the spin, and the spin is paid for nothing (one call per millisecond
- * cost each side about 40-60 µs of CPU per call). Work outstanding is what
- * a tcp connection waits for: a send completes when the peer's ACK
- * arrives, which rides on the peer's next message. On verbs, where nothing
- * of this is tracked, adaptive spins after any activity.
+ * cost each side 60-80 µs of CPU per call). On tcp a send completes when
+ * the peer's ACK arrives, which rides on the peer's next message if it
+ * posts one in the same turn of its loop, else goes alone at the end of
+ * that turn. On verbs, where none of this is tracked, adaptive spins after
+ * any activity.
  *
  * Spinning pays only while this process has a core to itself. When it
  * waits for a core while runnable (another runnable process wants it, often
@@ -40,7 +47,7 @@
  * shared by every poller of that thread.
  */
 import { closeSync, openSync, readSync } from "node:fs";
-import { CompletionBuffer, type CompletionQueue } from "../transport/types.js";
+import { CompletionBuffer, WcOpcode, type CompletionQueue } from "../transport/types.js";
 
 /** A cumulative reading of how much this thread was kept from running, and when that means contention. */
 export interface ContentionSignal {
@@ -183,11 +190,9 @@ export type PollingMode = "event" | "busy" | "adaptive";
 /** Completions handled per event-loop turn before yielding ("512 ops" as zeromq.js does). */
 const POLL_BUDGET = 512;
 /**
- * Event-driven CQ, adaptive mode: a connection that waited for nothing for
- * more than this many times spinUs (sparse traffic) does not spin on an
- * arrival, nor through the wait its next post opens, nor after it, until
- * completions come while a wait goes on (a window in flight). A
- * connection's first wait spins.
+ * Event-driven CQ, adaptive mode: a connection idle (no wait open) for
+ * more than this many times spinUs is in sparse traffic, and does not
+ * spin (see the header). A connection's first wait spins.
  */
 const IDLE_SPIN_FACTOR = 4;
 /** Synchronous CQ polls after posting, per event-loop turn, in busy and adaptive modes. */
@@ -323,23 +328,20 @@ export class Poller {
     const waitBefore = this.waitingNow;
     let budget = POLL_BUDGET;
     let n: number;
+    let arrived = false;
     const b = this.cbuf;
     // A completion may end the connection (its teardown stops this poller and destroys the
     // CQ): nothing is polled or armed after that.
     while (budget > 0 && !this.stopped && (n = this.cq.poll(b, Math.min(b.capacity, budget))) > 0) {
       budget -= n;
-      for (let i = 0; i < n && !this.stopped; i++) this.onCompletion(b, i);
+      for (let i = 0; i < n && !this.stopped; i++) {
+        if (b.opcode[i]! >= WcOpcode.RECV) arrived = true;
+        this.onCompletion(b, i);
+      }
     }
     if (this.stopped) return;
     const now = performance.now();
-    // Event-driven: completions ended the wait (nothing outstanding): idle from now; or came
-    // while it goes on (a window in flight): the exchange runs, whatever the idle time before.
-    if (this.waitingNow && budget < POLL_BUDGET) {
-      if (!this.waiting()) {
-        this.waitingNow = false;
-        this.idleFrom = now;
-      } else if (waitBefore) this.idleLong = false;
-    }
+    if (this.eventDriven && budget < POLL_BUDGET) this.endOfWait(now, waitBefore, arrived);
     if (budget === 0) return this.schedule();
     // Kept waiting for a core while spinning: another process needs it; sleep on events for a while.
     const giveWay = this.mode !== "event" && this.detector.contended(now);
@@ -392,6 +394,31 @@ export class Poller {
     if (this.keepAlive && (this.mode === "busy" || (now - this.lastActivity < this.spinUs / 1000 && this.runningExchange(now)))) this.turn();
   }
 
+  /**
+   * Event-driven: the wait bookkeeping after a drain that brought
+   * completions (`arrived`: a message among them).
+   */
+  private endOfWait(now: number, waitBefore: boolean, arrived: boolean): void {
+    // Messages arriving in rhythm (the one before within IDLE_SPIN_FACTOR × spinUs): the
+    // exchange runs, even for a side that only receives (its waits are its CREDIT messages).
+    if (arrived) {
+      if (this.lastArrival >= 0 && now - this.lastArrival <= (IDLE_SPIN_FACTOR * this.spinUs) / 1000) {
+        this.idleLong = false;
+        if (!this.waitingNow) this.idleFrom = now;
+      }
+      this.lastArrival = now;
+    }
+    if (!this.waitingNow) return;
+    // Completions ended the wait (nothing outstanding): idle from now; or came while it goes
+    // on (a window in flight): the exchange runs, whatever the idle time before.
+    if (!this.waiting()) {
+      this.waitingNow = false;
+      this.idleFrom = now;
+    } else if (waitBefore) this.idleLong = false;
+  }
+
+  /** Event-driven: when the last message arrived (-1: none yet). */
+  private lastArrival = -1;
   /** Event-driven: the connection waits for something (work outstanding), as of the last post or drain. */
   private waitingNow = false;
   /** Event-driven: when it last stopped waiting (performance.now(); -1: never waited). */

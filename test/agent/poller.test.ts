@@ -6,7 +6,7 @@
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
 import { Contention, Poller, runQueueWait, type ContentionSignal } from "../../src/agent/poller.js";
-import type { CompletionBuffer, CompletionQueue, Device } from "../../src/transport/types.js";
+import { WcOpcode, type CompletionBuffer, type CompletionQueue, type Device } from "../../src/transport/types.js";
 
 /** A CQ with nothing in it that counts how often it was armed. */
 function emptyCq(): CompletionQueue & { arms: number } {
@@ -208,12 +208,17 @@ describe("an event-driven CQ (tcp: completions come from this thread's socket ev
   });
 
   /** An event-driven CQ that hands out `pending` completions when polled. */
-  const scriptedCq = (): CompletionQueue & { arms: number; pending: number } => {
-    const cq = Object.assign(eventCq(), { pending: 0 });
+  /** An event-driven CQ that hands out `arrivals` receive completions, then `pending` send completions, when polled. */
+  const scriptedCq = (): CompletionQueue & { arms: number; pending: number; arrivals: number } => {
+    const cq = Object.assign(eventCq(), { pending: 0, arrivals: 0 });
     cq.poll = (b: CompletionBuffer, max?: number) => {
-      const n = Math.min(cq.pending, max ?? b.capacity);
-      for (let i = 0; i < n; i++) b.wrId[i] = i;
-      cq.pending -= n;
+      const n = Math.min(cq.arrivals + cq.pending, max ?? b.capacity);
+      for (let i = 0; i < n; i++) {
+        b.wrId[i] = i;
+        b.opcode[i] = cq.arrivals > 0 ? WcOpcode.RECV : WcOpcode.SEND;
+        if (cq.arrivals > 0) cq.arrivals--;
+        else cq.pending--;
+      }
       return n;
     };
     return cq;
@@ -274,15 +279,17 @@ describe("an event-driven CQ (tcp: completions come from this thread's socket ev
   it("adaptive: after more than 4 × spinUs idle (sparse traffic) an arrival, the next wait and its end sleep; a post right after an answer spins", async () => {
     const cq = scriptedCq();
     const x = exchange(cq);
-    const spinUs = 2_000;
-    const p = new Poller(cq, "adaptive", spinUs, () => {}, () => {}, calm(), () => x.outstanding > 0);
+    // spinUs 20 ms: "right after" must stay under 80 ms on a loaded machine; idle is 120 ms.
+    const p = new Poller(cq, "adaptive", 20_000, () => {}, () => {}, calm(), () => x.outstanding > 0);
+    await turns(2); // the previous test's last turn
+    assert.ok(!spinning(), `a clean start (${process.getActiveResourcesInfo().join(", ")})`);
     try {
       p.start();
       x.post(p);
       assert.ok(spinning(), "the first wait spins");
       x.acked();
-      await idleFor(12); // well over 4 × spinUs (8 ms)
-      cq.pending++;
+      await idleFor(120); // well over 4 × spinUs (80 ms)
+      cq.arrivals++;
       cq.onNotify!(); // the peer's request, after a long idle time
       assert.ok(!spinning(), "an arrival after a long idle time: not even one turn");
       await turns(2);
@@ -292,21 +299,70 @@ describe("an event-driven CQ (tcp: completions come from this thread's socket ev
       await turns(2);
       assert.ok(!spinning(), `its wait sleeps on events (${process.getActiveResourcesInfo().join(", ")})`);
       x.acked();
-      await turns(2);
       assert.ok(!spinning(), "and so does its end");
+      await turns(2);
+      assert.ok(!spinning(), "and after it");
       // The exchange runs: the next post follows its answer at once.
       x.post(p);
       assert.ok(spinning(), "a post right after the last answer: the wait spins");
       x.acked();
       // Idle again, then a window of two: the first wait sleeps; a completion that leaves one
       // outstanding shows the exchange running, and the rest of the wait spins.
-      await idleFor(12);
+      await idleFor(120);
       x.post(p);
       x.post(p);
+      assert.ok(!spinning(), "a window posted after a long idle time: not even one turn");
       await turns(2);
       assert.ok(!spinning(), "a window posted after a long idle time: sleeps");
       x.ackOne();
       assert.ok(spinning(), "one acknowledged, one still outstanding: spins");
+    } finally {
+      p.stop();
+    }
+  });
+
+  it("adaptive: a side that only receives (its waits are CREDIT messages) spins again once messages arrive in rhythm", async () => {
+    const cq = scriptedCq();
+    const x = exchange(cq);
+    const p = new Poller(cq, "adaptive", 20_000, () => {}, () => {}, calm(), () => x.outstanding > 0);
+    await turns(2);
+    assert.ok(!spinning(), `a clean start (${process.getActiveResourcesInfo().join(", ")})`);
+    try {
+      p.start();
+      x.post(p); // the connection's first message (its LIMITS)
+      x.acked();
+      await idleFor(120); // the peer starts streaming long after
+      cq.arrivals++;
+      cq.onNotify!();
+      assert.ok(!spinning(), "the first message after a long idle time: no turn");
+      x.post(p); // a CREDIT back: its wait opens after a long idle time
+      assert.ok(!spinning(), "its wait sleeps");
+      cq.arrivals++;
+      cq.pending++; // the next message, acknowledging the CREDIT
+      x.outstanding = 0;
+      cq.onNotify!();
+      assert.ok(spinning(), "a second message right after the first: the stream runs, the loop turns");
+      cq.arrivals++;
+      cq.onNotify!();
+      assert.ok(spinning(), "and keeps turning as messages come");
+    } finally {
+      p.stop();
+    }
+  });
+
+  it("busy: keeps turning after a long idle time (the idle rule is adaptive's)", async () => {
+    const cq = scriptedCq();
+    const x = exchange(cq);
+    const p = new Poller(cq, "busy", 20_000, () => {}, () => {}, calm(), () => x.outstanding > 0);
+    try {
+      p.start();
+      x.post(p);
+      x.acked();
+      const t0 = performance.now();
+      while (performance.now() - t0 < 120) await new Promise((r) => setTimeout(r, 1));
+      assert.ok(spinning(), "busy turns while the connection is open");
+      x.post(p);
+      assert.ok(spinning(), "and through a wait after a long idle time");
     } finally {
       p.stop();
     }
@@ -345,6 +401,7 @@ describe("an event-driven CQ (tcp: completions come from this thread's socket ev
       cq.pending++;
       cq.onNotify!();
       assert.equal(outstanding, 1, "posted inside the drain");
+      assert.ok(!spinning(), "not even one turn");
       await turns(2);
       assert.ok(!spinning(), "the completion that made the post is not one that came while the wait went on");
     } finally {
@@ -366,6 +423,7 @@ describe("an event-driven CQ (tcp: completions come from this thread's socket ev
       await idleFor(12);
       outstanding = 1;
       p.afterPost(1, outstanding);
+      assert.ok(!spinning(), "not even one turn");
       await turns(2);
       assert.ok(!spinning(), "the wait after a long idle time sleeps: the previous one was closed");
     } finally {
