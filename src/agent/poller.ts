@@ -30,7 +30,8 @@
  * not spun, nor is the time after it, nor an arrival after such idle time;
  * the exchange counts as running again once a post follows the close of a
  * wait within that time, completions come while a wait goes on, or two
- * messages arrive within it of each other (a side that only receives).
+ * drains within it of each other bring received messages (a side that
+ * only receives; a burst read at once counts once).
  * In traffic sparser than that the peer sleeps too, its wake-up outlasts
  * the spin, and the spin is paid for nothing (one call per millisecond
  * cost each side 60-80 µs of CPU per call). On tcp a send completes when
@@ -239,9 +240,10 @@ export class Poller {
     private readonly detector: Contention = contention,
     /**
      * Event-driven CQ, adaptive mode: is the connection waiting for
-     * something (work outstanding in the send queue)? A post opens a wait,
-     * the completions after which this is false close it, and the time
-     * between two waits is the connection's idle time.
+     * something (parts.ts: sends not yet acknowledged, work queued, a
+     * rendezvous send awaiting RNDV_DONE)? A post opens a wait, the
+     * completions after which this is false close it, and the time between
+     * two waits is the connection's idle time.
      */
     private readonly waiting: () => boolean = () => true,
   ) {
@@ -423,13 +425,17 @@ export class Poller {
   private waitingNow = false;
   /** Event-driven: when it last stopped waiting (performance.now(); -1: never waited). */
   private idleFrom = -1;
-  /** Event-driven: it waited for nothing for more than IDLE_SPIN_FACTOR × spinUs before the current wait. */
+  /**
+   * Event-driven: the verdict "sparse": set when a wait opens after more
+   * than IDLE_SPIN_FACTOR × spinUs idle, cleared by completions during a
+   * wait and by messages in rhythm.
+   */
   private idleLong = false;
 
   /**
    * Event-driven, adaptive: is this a running exchange, where a spin can
-   * catch the next event? Not when the current (or last) wait was opened
-   * after a long idle time, nor while idle for long now: traffic that
+   * catch the next event? Not under the "sparse" verdict (idleLong), nor
+   * while idle for long now (messages in rhythm reset the idle time): traffic that
    * sparse lets the peer sleep too, and its wake-up outlasts any spin. The
    * idle time decides, not the length of the waits: a wait measured while
    * both sides sleep includes both wake-ups, and would keep an exchange

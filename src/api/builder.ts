@@ -162,9 +162,10 @@ export class RdmaBuilder {
    * more busy processes than cores. On tcp, whose completions come from this thread's own
    * socket events, the CQ stays armed in every mode and busy and adaptive spin by keeping the
    * event loop turning instead of polling; adaptive there spins only in a running exchange,
-   * not after more than 4 × `spinUs` with everything it sent acknowledged until messages
-   * come in quick succession or a send follows soon after the last acknowledgement (sparse
-   * traffic sleeps much as with "event"). An unref'd connection never spins.
+   * not after more than 4 × `spinUs` with nothing outstanding (everything sent acknowledged,
+   * nothing queued, large sends read) until messages come in quick succession, a window is in
+   * flight, or a send follows soon after the last acknowledgement (sparse traffic sleeps much
+   * as with "event"). An unref'd connection never spins.
    */
   setPolling(mode: PollingMode, spinUs?: number): this {
     if (mode !== "event" && mode !== "busy" && mode !== "adaptive") throw new RdmaError("INVALID_ARGUMENT", `polling must be "event", "busy" or "adaptive", got ${String(mode)}`);
