@@ -41,7 +41,7 @@ import { abortError } from "./queue.js";
 import { HDR, MsgType, bytesOf, encodeData, encodeMsg, toWire } from "./codec.js";
 import type { Credits } from "./credits.js";
 import type { Inbox, Received } from "./inbox.js";
-import { newOp, type Op, type OpTable } from "./ops.js";
+import { newOp, type Op, type OpTable, type SendListener } from "./ops.js";
 import { CTRL_BUF, type HeaderPool, type Pending, type SendLanes } from "./send-lanes.js";
 import type { RecvRing } from "./recv-ring.js";
 import type { Rendezvous } from "./rendezvous.js";
@@ -228,9 +228,10 @@ export class Connection implements PartsHost {
     for (const p of parts) if (p.hdr) this.headers.put(p.hdr);
     op.result?.release();
     op.result = null;
-    const { reject, then } = this.ops.end(op);
+    const { reject, then, listener } = this.ops.end(op);
     then?.(false);
     reject?.(err);
+    listener?.sent(err);
   }
 
   private static checkSignal(signal: AbortSignal | undefined): void {
@@ -241,6 +242,20 @@ export class Connection implements PartsHost {
 
   /** Two-sided send of `lmr`'s bytes (eager or rendezvous), optionally with immediate data. */
   send(lmr: LocalMr, imm: number | undefined, signal?: AbortSignal): Promise<void> {
+    return this.sendAs(lmr, imm, signal, null)!;
+  }
+
+  /**
+   * send() without a promise: `listener` is told how it ended (a layer
+   * above's own messages, the RPC outbox's batches). Throws as send() does
+   * for what is refused before anything is queued.
+   */
+  sendListened(lmr: LocalMr, listener: SendListener): void {
+    this.sendAs(lmr, undefined, undefined, listener);
+  }
+
+  /** send(), settled by its promise (`listener` null: returned) or told to `listener` (nothing returned). */
+  private sendAs(lmr: LocalMr, imm: number | undefined, signal: AbortSignal | undefined, listener: SendListener | null): Promise<void> | undefined {
     this.checkOpen("send");
     lmr.mem.check("send");
     Connection.checkSignal(signal);
@@ -257,7 +272,9 @@ export class Connection implements PartsHost {
       op.hdr = hdr;
       lmr.mem.inflight++;
       op.mem = lmr.mem;
-      const p = this.ops.track<void>(op, signal);
+      let p: Promise<void> | undefined;
+      if (listener === null) p = this.ops.track<void>(op, signal);
+      else op.listener = listener;
       const m = lmr.mem.alloc;
       // Small messages go inline: the HCA takes the bytes from the WQE, no DMA read of the buffers.
       this.lanes.enqueueSend(op, hdr, HDR, HDR + len <= this.opts.maxInline ? SendFlags.INLINE : 0, 2, false, m.addr + lmr.start, len, m.mr.lkey);
@@ -267,7 +284,12 @@ export class Connection implements PartsHost {
     const p = this.rndv.send(lmr, imm, this.peer.eagerMax, signal);
     this.countSent(len);
     this.traffic.rendezvousSent++;
-    return p;
+    if (listener === null) return p;
+    p.then(
+      () => listener.sent(null),
+      (e: unknown) => listener.sent(e),
+    );
+    return undefined;
   }
 
   /**
@@ -422,7 +444,7 @@ export class Connection implements PartsHost {
     if (op.hdr) this.headers.put(op.hdr);
     op.hdr = null;
     // A failed part settles the operation once; the parts after it complete flushed, silently.
-    const { resolve, reject, then } = this.ops.end(op);
+    const { resolve, reject, then, listener } = this.ops.end(op);
     if (status === WcStatus.SUCCESS) {
       let v: unknown;
       if (op.result) {
@@ -433,12 +455,14 @@ export class Connection implements PartsHost {
       }
       if (then) then(true);
       resolve?.(v);
+      listener?.sent(null);
     } else {
       op.result?.release();
       op.result = null;
       const err = this.failFromStatus(status, op.kind);
       if (then) then(false);
       reject?.(err);
+      listener?.sent(err);
     }
     if (op.reusable) this.ops.reuse(op);
   }

@@ -194,9 +194,10 @@ export class Lifecycle {
       op.hdr = null;
       op.result?.release();
       op.result = null;
-      const { reject, then } = h.ops.end(op);
+      const { reject, then, listener } = h.ops.end(op);
       then?.(false);
       reject?.(this.failure);
+      listener?.sent(this.failure);
     }
     h.recvs.release();
     h.headers.release();

@@ -28,6 +28,8 @@ export interface Op {
   result: LocalMemory | null;
   /** Called on success instead of resolve (internal continuations). */
   then: ((ok: boolean) => void) | null;
+  /** Told how it ended instead of a promise (a layer above's own sends: {@link SendListener}). */
+  listener: SendListener | null;
   /** Stops watching the operation's signal (AbortWatch); null when it has none or it ended. */
   unwatch: (() => void) | null;
   /** Work requests still to complete (chunked transfers post several). */
@@ -42,8 +44,17 @@ export interface Op {
   reusable: boolean;
 }
 
+/**
+ * Told how a send ended, instead of a promise: what a layer above (the RPC
+ * outbox) uses for its own sends, so a message costs it no promise.
+ */
+export interface SendListener {
+  /** The send completed (`err` null) or failed (`err` why); called exactly once. */
+  sent(err: unknown): void;
+}
+
 export function newOp(kind: OpKind): Op {
-  return { kind, resolve: null, reject: null, mem: null, hdr: null, result: null, then: null, unwatch: null, parts: 1, posted: false, reusable: false };
+  return { kind, resolve: null, reject: null, mem: null, hdr: null, result: null, then: null, listener: null, unwatch: null, parts: 1, posted: false, reusable: false };
 }
 
 /** The continuations of an operation that ended, for the caller to run. */
@@ -51,6 +62,7 @@ export interface Ended {
   resolve: Op["resolve"];
   reject: Op["reject"];
   then: Op["then"];
+  listener: Op["listener"];
 }
 
 /** Free operations kept for reuse. */
@@ -60,7 +72,7 @@ export class OpTable {
   private slots: (Op | null)[] = [];
   private readonly freeSlots: number[] = [];
   /** end()'s answer, reused: read it at once (destructure), never keep it. */
-  private readonly ended: Ended = { resolve: null, reject: null, then: null };
+  private readonly ended: Ended = { resolve: null, reject: null, then: null, listener: null };
   /** One abort listener per signal, however many operations wait on it. */
   readonly aborts = new AbortWatch();
 
@@ -136,7 +148,7 @@ export class OpTable {
    * record given back when posted, and it never had an abort listener.
    */
   reuse(op: Op): void {
-    if (!op.reusable || op.unwatch !== null || op.resolve !== null || op.reject !== null || op.then !== null) return;
+    if (!op.reusable || op.unwatch !== null || op.resolve !== null || op.reject !== null || op.then !== null || op.listener !== null) return;
     op.reusable = false;
     op.hdr = null;
     op.result = null;
@@ -162,7 +174,9 @@ export class OpTable {
     r.resolve = op.resolve;
     r.reject = op.reject;
     r.then = op.then;
+    r.listener = op.listener;
     op.resolve = op.reject = op.then = null;
+    op.listener = null;
     return r;
   }
 

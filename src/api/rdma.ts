@@ -4,6 +4,7 @@
 import { RdmaError, checkInt } from "../errors.js";
 import { Access, WrOpcode } from "../transport/types.js";
 import { SMALL_SEND_COPY, type Connection } from "../agent/connection.js";
+import type { SendListener } from "../agent/ops.js";
 import { LocalMemory, LocalMr, type RemoteMr, type RemoteAccess } from "../memory/mr.js";
 import type { PeerLimits } from "../agent/memory-protocol.js";
 import { checkAccess } from "../agent/shares.js";
@@ -169,6 +170,28 @@ export class Rdma {
       return this.sendNow(data, checkImm(imm), opts, "sendWithImm");
     } catch (e) {
       return Promise.reject(e);
+    }
+  }
+
+  /**
+   * @internal send() of a LocalMr without a promise: `listener` is told how
+   * it ended, exactly once (the RPC outbox's batches: a message costs it no
+   * promise); possibly before this returns, when a poll right after the post
+   * finds the completion (verbs), but a refusal always later. Traced as
+   * send() while tracing is on.
+   */
+  sendListened(lmr: LocalMr, listener: SendListener): void {
+    if (tracing()) {
+      this.send(lmr).then(
+        () => listener.sent(null),
+        (e: unknown) => listener.sent(e),
+      );
+      return;
+    }
+    try {
+      this.conn.sendListened(localMrOf(this.conn, this.ctx.pd, lmr, "lmr", "send"), listener);
+    } catch (e) {
+      queueMicrotask(() => listener.sent(e));
     }
   }
 

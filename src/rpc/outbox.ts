@@ -58,17 +58,29 @@ export interface OutboxHost {
 }
 
 
-/** A message being filled, or filled and waiting for the flush. */
-interface Batch {
-  buf: LocalMr;
-  bytes: Uint8Array;
+/**
+ * A message being filled, or filled and waiting for the flush; once sent,
+ * told how its send ended (no promise per message).
+ */
+class Batch {
   /** Bytes written. */
-  len: number;
-  frames: number;
-  /** Bytes frames may fill (0: a buffer of one frame's size, which no other frame joins). */
-  cap: number;
-  /** A large batch buffer (counted in largeBytes). */
-  large: boolean;
+  len = 0;
+  frames = 0;
+
+  constructor(
+    private readonly box: Outbox,
+    readonly buf: LocalMr,
+    readonly bytes: Uint8Array,
+    /** Bytes frames may fill (0: a buffer of one frame's size, which no other frame joins). */
+    readonly cap: number,
+    /** A large batch buffer (counted in largeBytes). */
+    readonly large: boolean,
+  ) {}
+
+  /** SendListener: the send of this message completed (`err` null) or failed. */
+  sent(err: unknown): void {
+    this.box.settle(this, err);
+  }
 }
 
 /**
@@ -182,7 +194,7 @@ export class Outbox {
       else this.host.failed(e, callId < 0 ? [] : [callId]);
       return null;
     }
-    const b: Batch = { buf, bytes: buf.bytes, len: 0, frames: 0, cap, large };
+    const b = new Batch(this, buf, buf.bytes, cap, large);
     this.batches.push(b);
     if (!this.scheduled) {
       this.scheduled = true;
@@ -230,25 +242,30 @@ export class Outbox {
       // Its receive loop (client) or serve() (server) ends what the frames belonged to.
       return;
     }
-    this.rdma.send(msg).then(
-      () => {
-        this.done(b, true);
-        this.settled(count, o);
-      },
-      (e: unknown) => {
-        let ids: number[] = [];
-        if (!this.rdma.isClosed) {
-          try {
-            ids = callIds(whole.bytes.subarray(0, o));
-          } catch {
-            /* the memory went with the connection */
-          }
-        }
-        this.done(b, false);
-        this.settled(count, o);
-        if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") return;
-        this.host.failed(e, ids);
-      },
-    );
+    // No promise per message: the batch is told how its send ended (settle), possibly before
+    // sendListened returns (a verbs poll right after the post): nothing here touches b after it.
+    this.rdma.sendListened(msg, b);
+  }
+
+  /** A batch's send ended (`err` null: completed). */
+  settle(b: Batch, err: unknown): void {
+    const { buf: whole, len: o, frames: count } = b;
+    if (err === null) {
+      this.done(b, true);
+      this.settled(count, o);
+      return;
+    }
+    let ids: number[] = [];
+    if (!this.rdma.isClosed) {
+      try {
+        ids = callIds(whole.bytes.subarray(0, o));
+      } catch {
+        /* the memory went with the connection */
+      }
+    }
+    this.done(b, false);
+    this.settled(count, o);
+    if (err instanceof RdmaError && err.code === "CONNECTION_CLOSED") return;
+    this.host.failed(err, ids);
   }
 }

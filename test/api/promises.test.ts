@@ -7,6 +7,7 @@ import { describe, it } from "node:test";
 import assert from "node:assert/strict";
 import { createHook } from "node:async_hooks";
 import { CM, PROVIDER, eventually, withApiPair } from "../support/api.js";
+import { RdmaError } from "../../src/index.js";
 
 /** Promises created while `fn` runs (synchronously), and its result. */
 function counted<T>(fn: () => T): { n: number; v: T } {
@@ -49,4 +50,49 @@ describe(`one promise per operation [${PROVIDER}, ${CM}]`, { timeout: 60_000 * (
       (await ready.v).dispose();
       src.dispose();
     }));
+
+  it("issue 21 point 1: sendListened (the RPC outbox's sends) creates no promise and tells its listener exactly once: null when sent, the error when the connection ends first or was closed", () =>
+    withApiPair(
+      async ({ server, client }) => {
+        const told = new Map<number, unknown[]>();
+        const listener = (i: number) => ({ sent: (err: unknown) => void told.set(i, [...(told.get(i) ?? []), err]) });
+        const src = client.allocLocalMr(64);
+        src.bytes.fill(7);
+        // Sent and received: told null, and no promise was made for it.
+        const waiting = server.receive();
+        const one = counted(() => client.sendListened(src, listener(0)));
+        assert.equal(one.n, 0, `sendListened created ${one.n} promises`);
+        const m = await waiting;
+        assert.deepEqual(m.bytes, src.bytes);
+        m.dispose();
+        await eventually(() => told.has(0), 30_000, "the listener to be told");
+        assert.deepEqual(told.get(0), [null]);
+        // More than the peer's credits, never read: some complete, the rest wait queued; the peer
+        // then closes and every one of them is told once, those still queued with the error.
+        const n = 40;
+        for (let i = 1; i <= n; i++) client.sendListened(src, listener(i));
+        await eventually(() => server.stats().unread > 0, 30_000, "messages to arrive unread");
+        await server.close();
+        await eventually(() => told.size === n + 1, 60_000, `every listener to be told (${told.size - 1} of ${n})`);
+        let errors = 0;
+        for (let i = 1; i <= n; i++) {
+          const t = told.get(i)!;
+          assert.equal(t.length, 1, `listener ${i} told ${t.length} times`);
+          if (t[0] !== null) {
+            errors++;
+            assert.ok(t[0] instanceof RdmaError, `listener ${i} told ${String(t[0])}`);
+          }
+        }
+        assert.ok(errors > 0, "the sends queued beyond the peer's credits were told the error");
+        // On a closed connection: refused, told later (not during the call), with CONNECTION_CLOSED.
+        await eventually(() => client.isClosed, 30_000, "the client to see the close");
+        const late: { told: boolean; err: unknown } = { told: false, err: undefined };
+        client.sendListened(src, { sent: (err) => void Object.assign(late, { told: true, err }) });
+        assert.equal(late.told, false, "a refusal is told asynchronously");
+        await eventually(() => late.told, 30_000, "the refusal to be told");
+        assert.ok(late.err instanceof RdmaError && late.err.code === "CONNECTION_CLOSED", `told ${String(late.err)}`);
+      },
+      { server: (b) => b.setRecvDepth(8) },
+    ));
 });
+
