@@ -40,7 +40,7 @@ export interface ArrivalsHost {
   readonly memory: Pick<MemoryProtocol, "onMessage">;
   readonly lanes: Pick<SendLanes, "waiting" | "flush">;
   readonly live: Pick<Liveness, "arrived">;
-  readonly poller: Pick<Poller, "touch">;
+  readonly poller: Pick<Poller, "touch" | "drainTime">;
   readonly life: Pick<Lifecycle, "peerClosed" | "protocolFailed" | "onPeerClose" | "protocolError">;
   readonly traffic: Traffic;
   /** The connection, as the memory protocol records it in `lease.owner`. */
@@ -72,7 +72,7 @@ export class Arrivals {
     this.cr.consumed();
     const grow = this.cr.growth(opcode === WcOpcode.RECV_RDMA_WITH_IMM);
     if (grow > 0) this.recvs.grow(grow);
-    this.live.arrived();
+    this.live.arrived(this.poller.drainTime);
     this.poller.touch();
     // After the peer's CLOSE, or after it broke the protocol (what follows a violation is not delivered: no gap the user cannot see).
     if (this.life.peerClosed || this.life.protocolFailed) {

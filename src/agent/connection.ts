@@ -411,7 +411,7 @@ export class Connection implements PartsHost {
     const status = b.status[i]!;
     const op = this.ops.take(id);
     if (!op) return;
-    this.live.progressed();
+    this.live.progressed(this.poller.drainTime);
     if (op.kind === "recv") {
       const mem = this.recvs.take(id);
       if (status !== WcStatus.SUCCESS) {

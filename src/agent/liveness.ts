@@ -65,15 +65,19 @@ export class Liveness {
     this.timer = null;
   }
 
-  /** Something arrived from the peer (any receive): it is alive, and answered. */
-  arrived(): void {
-    this.lastArrival = this.now();
+  /**
+   * Something arrived from the peer (any receive): it is alive, and
+   * answered. `at`: when (the poller's drain time, so a drain of many
+   * completions reads the clock once); now if not given.
+   */
+  arrived(at: number = this.now()): void {
+    this.lastArrival = at;
     this.awaitingAnswer = false;
   }
 
-  /** A work request completed. */
-  progressed(): void {
-    this.lastProgress = this.now();
+  /** A work request completed (`at`: when, as for arrived()). */
+  progressed(at: number = this.now()): void {
+    this.lastProgress = at;
   }
 
   /** Work is posted while none was outstanding: the wait starts now. */

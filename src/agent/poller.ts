@@ -261,9 +261,17 @@ export class Poller {
     this.pollNow();
   }
 
-  /** Something happened (an arrival): adaptive mode keeps spinning for a while. */
+  /**
+   * When the drain under way started (performance.now(), read once per
+   * drain): the time of every completion it hands out. Completions are
+   * handed out only inside a drain, so it is never older than the one
+   * being handled.
+   */
+  drainTime = 0;
+
+  /** Something happened (an arrival, inside a drain): adaptive mode keeps spinning for a while. */
   touch(): void {
-    this.lastActivity = performance.now();
+    this.lastActivity = this.drainTime;
   }
 
   pollNow(): void {
@@ -328,6 +336,7 @@ export class Poller {
   private drain(): void {
     // A wait opened by a post inside this drain is not one that completions came during.
     const waitBefore = this.waitingNow;
+    this.drainTime = performance.now();
     let budget = POLL_BUDGET;
     let n: number;
     let arrived = false;

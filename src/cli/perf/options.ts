@@ -33,12 +33,16 @@ export const PERF_USAGE = `usage: async-rdma perf <test> [server-address] [optio
       --report_gbits      bandwidth in Gb/s instead of MB/s (MB = 2^20 bytes, as perftest)
       --provider P        tcp | verbs | auto (default auto)
       --polling MODE      event | busy | adaptive (default: the library's)
+      --eager-threshold BYTES  messages up to this size come to this side in one SEND
+                          (default: the library's, 4096); larger ones by rendezvous READ.
+                          send_bw: give it to the server (the receiver) to compare with
+                          ib_send_bw, whose receives are posted at the message size
       --write_imm         write_lat: notify by RDMA WRITE with immediate instead of buffer polling
       --json              one JSON object per line instead of tables
       --plot FILE.svg     with -a: bandwidth or latency vs size as an SVG (client side)
   -h, --help
   The client's parameters apply to both sides; the server takes only the test,
-  -p, -d, -x, -r, --provider, --polling and --json.`;
+  -p, -d, -x, -r, --provider, --polling, --eager-threshold and --json.`;
 
 export class PerfUsageError extends Error {}
 
@@ -61,6 +65,8 @@ export interface PerfOptions {
   gbits: boolean;
   provider: ProviderChoice;
   polling: PollingMode | null;
+  /** This side's eager threshold (setEagerThreshold; null: the library's): the largest message its peer sends it without rendezvous. */
+  eager: number | null;
   writeImm: boolean;
   json: boolean;
   plot: string | null;
@@ -81,7 +87,7 @@ export function intArg(flag: string, v: string | undefined, min: number, max: nu
 
 /** Parses perftest-style arguments; throws PerfUsageError on anything wrong. */
 export function parsePerfArgs(argv: string[]): PerfOptions {
-  const o: PerfOptions = { test: "write_bw", server: null, port: DEFAULT_PORT, size: null, iters: null, all: false, sizes: null, warmup: null, duration: null, qps: 1, txDepth: 128, rxDepth: DEFAULT_RX_DEPTH, device: null, gidIndex: null, gbits: false, provider: "auto", polling: null, writeImm: false, json: false, plot: null };
+  const o: PerfOptions = { test: "write_bw", server: null, port: DEFAULT_PORT, size: null, iters: null, all: false, sizes: null, warmup: null, duration: null, qps: 1, txDepth: 128, rxDepth: DEFAULT_RX_DEPTH, device: null, gidIndex: null, gbits: false, provider: "auto", polling: null, eager: null, writeImm: false, json: false, plot: null };
   const pos: string[] = [];
   let durationSet = false;
   for (let i = 0; i < argv.length; i++) {
@@ -166,6 +172,9 @@ export function parsePerfArgs(argv: string[]): PerfOptions {
         o.polling = v;
         break;
       }
+      case "--eager-threshold":
+        o.eager = intArg(a, val(), 0, 1 << 20);
+        break;
       case "--write_imm":
       case "--write-imm":
         o.writeImm = true;
@@ -183,7 +192,7 @@ export function parsePerfArgs(argv: string[]): PerfOptions {
         if (a.startsWith("-")) throw new PerfUsageError(`unknown option ${a}`);
         pos.push(a);
     }
-    if (inline !== undefined && !["-s", "--size", "-n", "--iters", "-D", "--duration", "-q", "--qp", "-t", "--tx-depth", "-r", "--rx-depth", "-d", "--ib-dev", "-x", "--gid-index", "-p", "--port", "--provider", "--polling", "--plot", "--sizes", "--warmup"].includes(a)) {
+    if (inline !== undefined && !["-s", "--size", "-n", "--iters", "-D", "--duration", "-q", "--qp", "-t", "--tx-depth", "-r", "--rx-depth", "-d", "--ib-dev", "-x", "--gid-index", "-p", "--port", "--provider", "--polling", "--eager-threshold", "--plot", "--sizes", "--warmup"].includes(a)) {
       throw new PerfUsageError(`${a} takes no value`);
     }
   }

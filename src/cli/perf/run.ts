@@ -30,6 +30,7 @@ export function builderFor(o: PerfOptions): RdmaBuilder {
   if (o.device !== null) b.setDevice(o.device);
   if (o.gidIndex !== null) b.setGidIndex(o.gidIndex);
   if (o.polling !== null) b.setPolling(o.polling);
+  if (o.eager !== null) b.setEagerThreshold(o.eager);
   if (o.txDepth > 256) b.setQpCaps({ maxSendWr: o.txDepth + 16 });
   b.setRecvDepth(o.rxDepth);
   return b;

@@ -37,8 +37,15 @@ export interface LivenessHost {
 }
 
 export class NoProgressTimer {
-  /** When the peer was last heard from (performance.now()). */
+  /** When the peer was last heard from (performance.now()), as of the last check. */
   lastProgress = 0;
+  /**
+   * The peer was heard from since the last check: progress() sets it and
+   * the check reads the clock (one clock read per check, none per frame).
+   * The peer counts as heard at the check, up to one tick after the fact:
+   * never earlier, so it is never judged silent sooner.
+   */
+  private heard = false;
   private timeoutMs = ackTimeoutMs(14);
   private retryCnt = 7;
   private livenessMs = DEFAULT_LIVENESS_MS;
@@ -57,7 +64,14 @@ export class NoProgressTimer {
 
   /** The peer was heard from. */
   progress(): void {
-    this.lastProgress = performance.now();
+    this.heard = true;
+  }
+
+  /** Folds progress() since the last look into lastProgress, as of `now`. */
+  private settle(now: number): void {
+    if (!this.heard) return;
+    this.heard = false;
+    this.lastProgress = now;
   }
 
   /** How long the requester waits without progress from the peer: max(timeout × (retryCnt+1), livenessMs). */
@@ -79,10 +93,11 @@ export class NoProgressTimer {
       // A tick that comes late means our own event loop did not run (blocked, descheduled): the peer
       // could not be heard meanwhile, so that time does not count against it (transport/stall.ts).
       const now = performance.now();
+      this.settle(now);
       this.lastProgress = excuseOwnStall(this.lastProgress, now, prev, tick, stallCredit);
       prev = now;
       if (!this.host.outstanding()) return;
-      if (!this.host.waitingOutRnr() && performance.now() - this.lastProgress >= limit) {
+      if (!this.host.waitingOutRnr() && now - this.lastProgress >= limit) {
         // Timers run before I/O in a turn: after a stall of our own event loop the peer's answer may be
         // waiting in the socket. Read it first (the poll phase runs before setImmediate), then judge.
         // (Not unref'd: an unref'd immediate does not stop the poll phase from blocking, so it could wait for unrelated I/O.)
@@ -95,7 +110,9 @@ export class NoProgressTimer {
     const confirm = (): void => {
       this.confirming = null;
       if (!this.host.outstanding()) return;
-      if (!this.host.waitingOutRnr() && performance.now() - this.lastProgress >= limit) {
+      const now = performance.now();
+      this.settle(now);
+      if (!this.host.waitingOutRnr() && now - this.lastProgress >= limit) {
         const why = this.livenessMs > this.timeoutMs * (this.retryCnt + 1) ? `livenessMs ${this.livenessMs}` : `timeout ${this.timeoutMs.toFixed(1)} ms × ${this.retryCnt + 1} tries`;
         this.host.expire(`no response from the peer within ${limit.toFixed(0)} ms (${why}; its stream is still open)`);
         return;
