@@ -102,6 +102,24 @@ describe("async-rdma CLI conventions", () => {
     assert.match(cli("perf", "--help").stdout, /-r, --rx-depth N .*default 512/);
   });
 
+  it("issue 21: perf --eager-threshold sets a side's eager threshold: the client's header shows the server's, 64 KiB sends run; out of range is a usage error", async () => {
+    const server = spawnNode(main, ["perf", "send_bw", "-p", "0", "--provider", "tcp", "--eager-threshold", "65536"], "perf server");
+    try {
+      const port = (await server.waitFor(/port (\d+)/, 20_000))[1]!;
+      const r = spawnSync(process.execPath, [main, "perf", "send_bw", "127.0.0.1", "-p", port, "--sizes", "65536", "-n", "200", "--provider", "tcp"], { encoding: "utf8", timeout: 60_000 });
+      await server.exited(20_000);
+      assert.equal(r.status, 0, r.stderr);
+      assert.match(r.stdout, /Eager to peer +: 65536 B /);
+      assert.match(r.stdout, /^ 65536 +200 /m);
+    } finally {
+      server.child.kill();
+    }
+    const d = cli("perf", "send_bw", "--eager-threshold", String(2 << 20));
+    assert.equal(d.status, 2);
+    assert.match(d.stderr, /--eager-threshold/);
+    assert.match(cli("perf", "--help").stdout, /--eager-threshold BYTES/);
+  });
+
   const hasScript = spawnSync("script", ["--version"], { encoding: "utf8" }).status === 0;
   it("perf over several sizes shows progress on a terminal, erased before each row", { skip: hasScript ? false : "no script(1) to give the client a terminal" }, async () => {
     const r = await perfRun(true);

@@ -35,6 +35,8 @@ export function header(o: PerfOptions, role: string, rdma: Rdma, qps: number, tx
   out(` Number of qps   : ${String(qps).padEnd(14)} Transport type : RC (async-rdma)`);
   out(` Role            : ${role.padEnd(14)} ${lat ? "Iteration" : "TX depth      "} : ${lat ? "one operation at a time" : txDepth}`);
   out(` RX depth        : ${String(o.rxDepth).padEnd(14)} Memory         : ${extra}`);
+  // The peer's eager threshold (its --eager-threshold): larger messages go to it by rendezvous READ.
+  out(` Eager to peer   : ${`${rdma.peerEagerThreshold} B`.padEnd(14)} Larger sends   : rendezvous READ`);
   out(RULE);
   if (lat) out(" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] ");
   else {
