@@ -264,8 +264,9 @@ export class Poller {
   /**
    * When the drain under way started (performance.now(), read once per
    * drain): the time of every completion it hands out. Completions are
-   * handed out only inside a drain, so it is never older than the one
-   * being handled.
+   * handed out only inside a drain, so it is older than the event by at
+   * most the drain's length (on verbs, a completion that lands during the
+   * drain), never by more.
    */
   drainTime = 0;
 

@@ -175,10 +175,11 @@ export class Rdma {
 
   /**
    * @internal send() of a LocalMr without a promise: `listener` is told how
-   * it ended, exactly once (the RPC outbox's batches: a message costs it no
-   * promise); possibly before this returns, when a poll right after the post
-   * finds the completion (verbs), but a refusal always later. Traced as
-   * send() while tracing is on.
+   * it ended, exactly once, after this returns (the RPC outbox's batches: a
+   * message costs it no promise). Work is posted once the microtask
+   * checkpoint ends and a refusal is told from a microtask; a failure may be
+   * told inside the drain that found it, before the connection's teardown.
+   * Traced as send() while tracing is on.
    */
   sendListened(lmr: LocalMr, listener: SendListener): void {
     if (tracing()) {

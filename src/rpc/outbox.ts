@@ -77,9 +77,17 @@ class Batch {
     readonly large: boolean,
   ) {}
 
-  /** SendListener: the send of this message completed (`err` null) or failed. */
+  /**
+   * SendListener: the send of this message completed (`err` null) or
+   * failed. A failure is handled a microtask later, as a rejected promise
+   * was: a send flushed by the connection's failure is told inside the
+   * drain that found it, before the teardown, and the calls it carried
+   * must end with the connection's own error (its receive loop's), not
+   * with the flush.
+   */
   sent(err: unknown): void {
-    this.box.settle(this, err);
+    if (err === null) this.box.settle(this, null);
+    else queueMicrotask(() => this.box.settle(this, err));
   }
 }
 
@@ -242,8 +250,8 @@ export class Outbox {
       // Its receive loop (client) or serve() (server) ends what the frames belonged to.
       return;
     }
-    // No promise per message: the batch is told how its send ended (settle), possibly before
-    // sendListened returns (a verbs poll right after the post): nothing here touches b after it.
+    // No promise per message: the batch is told how its send ended (settle). Nothing here
+    // touches b after this call, whenever that comes.
     this.rdma.sendListened(msg, b);
   }
 

@@ -91,6 +91,8 @@ describe(`one promise per operation [${PROVIDER}, ${CM}]`, { timeout: 60_000 * (
         assert.equal(late.told, false, "a refusal is told asynchronously");
         await eventually(() => late.told, 30_000, "the refusal to be told");
         assert.ok(late.err instanceof RdmaError && late.err.code === "CONNECTION_CLOSED", `told ${String(late.err)}`);
+        // The teardown came meanwhile: still told once each.
+        for (let i = 0; i <= n; i++) assert.equal(told.get(i)!.length, 1, `listener ${i} told ${told.get(i)!.length} times by the end`);
       },
       { server: (b) => b.setRecvDepth(8) },
     ));

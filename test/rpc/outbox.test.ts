@@ -53,6 +53,27 @@ describe(`rpc outbox [${PROVIDER}, ${CM}]`, { timeout: 120_000 * (PROVIDER === "
     await served;
   });
 
+  it("issue 21: a connection that fails after a batch was posted, before its send completed, ends the calls it carried with the connection's own error, not the flush's", async () => {
+    const p = await apiPair();
+    const served = new RpcServer({ echo: (b) => b }).serve(p.server).catch(() => {});
+    const c = new RpcClient(p.client);
+    assert.deepEqual(await c.call("echo", new Uint8Array([1, 2, 3])), new Uint8Array([1, 2, 3]));
+    const calls = [c.call("echo", new Uint8Array(100)), c.call("echo", new Uint8Array(200)), c.call("echo", new Uint8Array(300))];
+    // The outbox flushes in a microtask and the lanes post at the end of that checkpoint
+    // (process.nextTick): fail right after the post, before the peer could acknowledge it.
+    const conn = (p.client as unknown as { conn: { protocolError(reason: string): void } }).conn;
+    queueMicrotask(() => process.nextTick(() => conn.protocolError("test: failed after the post")));
+    for (const call of calls) {
+      await assert.rejects(
+        call,
+        (e: unknown) => e instanceof RdmaError && e.code === "PROTOCOL",
+        "the call ends with the connection's error (PROTOCOL), not FLUSHED",
+      );
+    }
+    await p.close().catch(() => {});
+    await served;
+  });
+
   it("issue 21: with a 16 KiB eager threshold on both sides, 64 concurrent 4 KiB calls travel three to a message (one each at the default), every reply its own", async () => {
     // A frame is 12 + 4 (method) + 4,096 bytes: three fit in 16,360, one in the default 4,160.
     assert.equal(await burst(16360, 64), 22, "ceil(64 / 3) messages");

@@ -34,7 +34,7 @@ export const PERF_USAGE = `usage: async-rdma perf <test> [server-address] [optio
       --provider P        tcp | verbs | auto (default auto)
       --polling MODE      event | busy | adaptive (default: the library's)
       --eager-threshold BYTES  messages up to this size come to this side in one SEND
-                          (default: the library's, 4096); larger ones by rendezvous READ.
+                          (default: the library's, 4160); larger ones by rendezvous READ.
                           send_bw: give it to the server (the receiver) to compare with
                           ib_send_bw, whose receives are posted at the message size
       --write_imm         write_lat: notify by RDMA WRITE with immediate instead of buffer polling

@@ -5,7 +5,9 @@
  * RETRY_EXC_ERR once it has heard nothing from the peer for
  * max(timeout × (retryCnt + 1), livenessMs), where time our own event loop
  * did not run is not counted against the peer, and a due verdict first reads
- * what already arrived. Anything from the peer counts as progress
+ * what already arrived. Progress is timed by the next check (one clock read
+ * per check), so the verdict comes at most two check periods after the
+ * limit, never before it. Anything from the peer counts as progress
  * ({@link NoProgressTimer.progress}). Why it differs from verbs:
  * docs/architecture.md, "Liveness".
  */
