@@ -205,13 +205,15 @@ export class Connection implements PartsHost {
 
   /** LanesHost: posts one work-request list. */
   post(batch: SendWr[], wasIdle: boolean): void {
-    if (wasIdle) this.live.startWaiting();
     try {
       this.qp.postSend(batch);
     } catch (e) {
       this.fail(e instanceof RdmaError ? e : new RdmaError("DEVICE", `postSend failed: ${(e as Error).message}`, { cause: e }));
     }
-    this.poller.afterPost(batch.length, this.lanes.outstanding);
+    // One clock read for both (the wait starts once the list is posted: never before).
+    const now = performance.now();
+    if (wasIdle) this.live.startWaiting(now);
+    this.poller.afterPost(batch.length, this.lanes.outstanding, now);
   }
 
   /** CREDIT messages sent (stats: a quiet connection sends none). */

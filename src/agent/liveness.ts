@@ -80,9 +80,9 @@ export class Liveness {
     this.lastProgress = at;
   }
 
-  /** Work is posted while none was outstanding: the wait starts now. */
-  startWaiting(): void {
-    this.lastProgress = this.now();
+  /** Work is posted while none was outstanding: the wait starts now (`at`: the post's time). */
+  startWaiting(at: number = this.now()): void {
+    this.lastProgress = at;
   }
 
   /** One check (the timer's tick; tests call it with their own clock). */

@@ -286,9 +286,9 @@ export class Poller {
     this.afterDrain();
   }
 
-  /** A list of `n` work requests was just posted, `outstanding` now in the send queue. */
-  afterPost(n: number, outstanding: number): void {
-    this.lastActivity = performance.now();
+  /** A list of `n` work requests was just posted (at `now`), `outstanding` now in the send queue. */
+  afterPost(n: number, outstanding: number, now: number = performance.now()): void {
+    this.lastActivity = now;
     if (this.mode === "event") return;
     // Event-driven: a post while no wait is open opens one.
     if (this.eventDriven && !this.waitingNow) {

@@ -60,31 +60,62 @@ export function writeFrame(dst: Uint8Array, off: number, kind: number, id: numbe
   return HDR + ml + pl;
 }
 
+/** Big-endian u32 at `o` (read byte by byte: no DataView per message). */
+function u32(b: Uint8Array, o: number): number {
+  return b[o]! * 0x1000000 + ((b[o + 1]! << 16) | (b[o + 2]! << 8) | b[o + 3]!);
+}
+
+/**
+ * Method names decoded lately (a copy of their bytes and the string): a
+ * server mostly sees the same few names, and decoding UTF-8 costs more than
+ * comparing a few bytes. At most METHOD_CACHE entries of at most
+ * MAX_METHOD bytes, replaced in turn: however many names a peer sends, the
+ * cache holds at most 16 KiB.
+ */
+const METHOD_CACHE = 16;
+const cachedBytes: Uint8Array[] = [];
+const cachedNames: string[] = [];
+let cacheNext = 0;
+
+/** The method name in `buf[start, start + len)` (UTF-8); throws PROTOCOL if it is not UTF-8. */
+function methodAt(buf: Uint8Array, start: number, len: number): string {
+  for (let k = 0; k < cachedBytes.length; k++) {
+    const c = cachedBytes[k]!;
+    if (c.length !== len) continue;
+    let i = 0;
+    while (i < len && c[i] === buf[start + i]) i++;
+    if (i === len) return cachedNames[k]!;
+  }
+  const bytes = buf.slice(start, start + len);
+  let name: string;
+  try {
+    name = dec.decode(bytes);
+  } catch {
+    throw new RdmaError("PROTOCOL", "rpc: method name is not UTF-8");
+  }
+  cachedBytes[cacheNext] = bytes;
+  cachedNames[cacheNext] = name;
+  cacheNext = (cacheNext + 1) % METHOD_CACHE;
+  return name;
+}
+
 /** Every frame of a message; throws PROTOCOL naming what is wrong. */
 export function decodeFrames(buf: Uint8Array): Frame[] {
   const out: Frame[] = [];
-  const v = new DataView(buf.buffer, buf.byteOffset, buf.byteLength);
   let off = 0;
   while (off < buf.length) {
     if (buf.length - off < HDR) throw new RdmaError("PROTOCOL", `rpc: truncated frame header (${buf.length - off} bytes)`);
-    if (v.getUint8(off) !== MAGIC) throw new RdmaError("PROTOCOL", "rpc: bad frame magic (is the peer an RpcClient/RpcServer?)");
-    const kind = v.getUint8(off + 1);
-    const mlen = v.getUint16(off + 2);
-    const id = v.getUint32(off + 4);
-    const plen = v.getUint32(off + 8);
+    if (buf[off] !== MAGIC) throw new RdmaError("PROTOCOL", "rpc: bad frame magic (is the peer an RpcClient/RpcServer?)");
+    const kind = buf[off + 1]!;
+    const mlen = (buf[off + 2]! << 8) | buf[off + 3]!;
+    const id = u32(buf, off + 4);
+    const plen = u32(buf, off + 8);
     if (kind < CALL || kind > CANCEL) throw new RdmaError("PROTOCOL", `rpc: unknown frame kind ${kind}`);
     if (kind !== CALL && mlen !== 0) throw new RdmaError("PROTOCOL", "rpc: method name on a frame that is not a call");
     if (mlen > MAX_METHOD) throw new RdmaError("PROTOCOL", `rpc: method name of ${mlen} bytes`);
     const end = off + HDR + mlen + plen;
     if (end > buf.length) throw new RdmaError("PROTOCOL", "rpc: frame longer than its message");
-    let method = "";
-    if (mlen > 0) {
-      try {
-        method = dec.decode(buf.subarray(off + HDR, off + HDR + mlen));
-      } catch {
-        throw new RdmaError("PROTOCOL", "rpc: method name is not UTF-8");
-      }
-    }
+    const method = mlen > 0 ? methodAt(buf, off + HDR, mlen) : "";
     // A copy: the message's buffer goes back to the connection at once.
     out.push({ kind, id, method, payload: buf.slice(off + HDR + mlen, end) });
     off = end;
