@@ -68,17 +68,20 @@ function u32(b: Uint8Array, o: number): number {
 /**
  * Method names decoded lately (a copy of their bytes and the string): a
  * server mostly sees the same few names, and decoding UTF-8 costs more than
- * comparing a few bytes. At most METHOD_CACHE entries of at most
- * MAX_METHOD bytes, replaced in turn: however many names a peer sends, the
- * cache holds at most 16 KiB.
+ * comparing a few bytes. Only names of at most CACHED_METHOD bytes, at most
+ * METHOD_CACHE of them, replaced in turn: however many names a peer sends,
+ * the cache holds at most 1 KiB of bytes, and a miss costs at most 1,024
+ * byte comparisons before the decode (longer names are decoded at once).
  */
 const METHOD_CACHE = 16;
+const CACHED_METHOD = 64;
 const cachedBytes: Uint8Array[] = [];
 const cachedNames: string[] = [];
 let cacheNext = 0;
 
 /** The method name in `buf[start, start + len)` (UTF-8); throws PROTOCOL if it is not UTF-8. */
 function methodAt(buf: Uint8Array, start: number, len: number): string {
+  if (len > CACHED_METHOD) return decodeMethod(buf.subarray(start, start + len));
   for (let k = 0; k < cachedBytes.length; k++) {
     const c = cachedBytes[k]!;
     if (c.length !== len) continue;
@@ -86,21 +89,27 @@ function methodAt(buf: Uint8Array, start: number, len: number): string {
     while (i < len && c[i] === buf[start + i]) i++;
     if (i === len) return cachedNames[k]!;
   }
+  // A copy (decodeFrames made `buf` a plain Uint8Array, whose slice() copies): the message's memory is reused.
   const bytes = buf.slice(start, start + len);
-  let name: string;
-  try {
-    name = dec.decode(bytes);
-  } catch {
-    throw new RdmaError("PROTOCOL", "rpc: method name is not UTF-8");
-  }
+  const name = decodeMethod(bytes);
   cachedBytes[cacheNext] = bytes;
   cachedNames[cacheNext] = name;
   cacheNext = (cacheNext + 1) % METHOD_CACHE;
   return name;
 }
 
+function decodeMethod(bytes: Uint8Array): string {
+  try {
+    return dec.decode(bytes);
+  } catch {
+    throw new RdmaError("PROTOCOL", "rpc: method name is not UTF-8");
+  }
+}
+
 /** Every frame of a message; throws PROTOCOL naming what is wrong. */
-export function decodeFrames(buf: Uint8Array): Frame[] {
+export function decodeFrames(bytes: Uint8Array): Frame[] {
+  // A Buffer's slice() is a view: read a plain Uint8Array over the same bytes, whose slice() copies.
+  const buf = Object.getPrototypeOf(bytes) === Uint8Array.prototype ? bytes : new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength);
   const out: Frame[] = [];
   let off = 0;
   while (off < buf.length) {

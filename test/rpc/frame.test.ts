@@ -44,5 +44,27 @@ describe("rpc frame codec", () => {
     const bad = encodeFrame(CALL, 1, new Uint8Array([0xff, 0xfe, 0xfd, 0xfc]), new Uint8Array(0));
     assert.throws(() => decodeFrames(bad), (e: unknown) => e instanceof RdmaError && e.code === "PROTOCOL" && /not UTF-8/.test(e.message));
     assert.equal(decodeFrames(encodeFrame(CALL, 1, enc.encode("é"), new Uint8Array(0)))[0]!.method, "é");
+    assert.equal(decodeFrames(encodeFrame(CALL, 1, enc.encode("é"), new Uint8Array(0)))[0]!.method, "é", "a multi-byte name from the cache");
+    // Long names are decoded each time (not cached), the same way.
+    const long = "x".repeat(1000) + "é";
+    assert.equal(decodeFrames(encodeFrame(CALL, 1, enc.encode(long), new Uint8Array(0)))[0]!.method, long);
+    // A Buffer's slice() is a view: the name must still be a copy.
+    const b = Buffer.from(encodeFrame(CALL, 1, enc.encode("buf1"), new Uint8Array([9])));
+    const [f] = decodeFrames(b);
+    b.fill(0x61, 12);
+    assert.equal(f!.method, "buf1");
+    assert.deepEqual(f!.payload, new Uint8Array([9]), "the payload is a copy of a Buffer's bytes too");
+    assert.equal(decodeFrames(Buffer.from(encodeFrame(CALL, 1, enc.encode("aaaa"), new Uint8Array(0))))[0]!.method, "aaaa");
+  });
+
+  it("issue 21: a payload length of 2^31 or more in a short message is refused (PROTOCOL), not read as negative", () => {
+    const m = encodeFrame(OK, 7, null, new Uint8Array(4));
+    for (const len of [0x80000000, 0xfffffff4, 0xffffffff]) {
+      m[8] = len >>> 24;
+      m[9] = (len >>> 16) & 0xff;
+      m[10] = (len >>> 8) & 0xff;
+      m[11] = len & 0xff;
+      assert.throws(() => decodeFrames(m), (e: unknown) => e instanceof RdmaError && e.code === "PROTOCOL" && /longer than its message/.test(e.message), `payload length ${len}`);
+    }
   });
 });
