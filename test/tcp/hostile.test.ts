@@ -35,6 +35,7 @@ import {
 } from "../../src/transport/types.js";
 import { tcpProvider, type TcpQueuePair } from "../../src/transport/tcp/index.js";
 import { dialsFirst } from "../../src/transport/tcp/qp.js";
+import { directStats } from "../../src/transport/tcp/read-path.js";
 import {
   FrameFlags,
   FrameType,
@@ -878,6 +879,35 @@ describe("a hostile peer of a real QP (impostor on its one stream, both directio
           assert.ok(
             v.subarray(1000).every((x) => x === 0x55),
             `bytes landed in deregistered memory: ${v.subarray(1000).filter((x) => x === 0xee).length} of ${MR_LEN - 1000}`,
+          );
+          assertSentinels(p);
+        }),
+    );
+
+    it(
+      "deregistering the MR a peer is writing into, after part of a large payload was read straight into it (direct reads): no byte lands after deregister returns",
+      () =>
+        withFakePeer(async (p) => {
+          const LEN = 1 << 20;
+          const FIRST = 600 * 1024;
+          const ab = new ArrayBuffer(LEN);
+          const mine = p.side.pd.registerMr(ab, ALL_REMOTE);
+          const v = new Uint8Array(ab);
+          v.fill(0x55);
+          const psn = nextPsn(p);
+          const reads = directStats.reads;
+          p.outS.write(hdr(FrameType.WRITE, { psn, payloadLen: LEN, rkey: mine.rkey, raddr: mine.addr }), Buffer.alloc(FIRST, 0xee));
+          await p.w.until(() => v[FIRST - 1] === 0xee, "the first part to land", DEADLINE_MS, 1);
+          const direct = directStats.reads > reads;
+          mine.deregister();
+          p.outS.write(Buffer.alloc(LEN - FIRST, 0xee));
+          const psn2 = nextPsn(p);
+          p.outS.write(hdr(FrameType.WRITE, { psn: psn2, payloadLen: 0 }));
+          await p.w.until(() => p.outS.frames.length > 1 || p.events.length > 0, "a response or an event");
+          assert.ok(v.subarray(0, FIRST).every((x) => x === 0xee), `the first part landed whole (${direct ? "partly by direct reads" : "through the read buffer only"})`);
+          assert.ok(
+            v.subarray(FIRST).every((x) => x === 0x55),
+            `bytes landed in deregistered memory: ${v.subarray(FIRST).filter((x) => x === 0xee).length} of ${LEN - FIRST}`,
           );
           assertSentinels(p);
         }),

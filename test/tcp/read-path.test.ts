@@ -5,6 +5,9 @@
  * read through the 'data' event instead. Both paths must carry the same
  * bytes: SENDs of many sizes (headers split across reads), a 4 MiB WRITE and
  * READ (payloads spanning many reads), atomics, checksummed both ways.
+ * Large payloads are read straight into their registered memory where the
+ * socket has a descriptor (direct reads); with those turned off the read
+ * buffer carries every byte: both ways give the same bytes.
  * Provider-specific: tcp only.
  */
 import { describe, it } from "node:test";
@@ -12,7 +15,7 @@ import assert from "node:assert/strict";
 import { createHash, randomBytes } from "node:crypto";
 import { SendFlags, WcStatus, WrOpcode, wcStatusName, type SendWr } from "../../src/transport/types.js";
 import { tcpProvider } from "../../src/transport/tcp/index.js";
-import { readPathOptions, readPathStats } from "../../src/transport/tcp/read-path.js";
+import { directOptions, directStats, readPathOptions, readPathStats } from "../../src/transport/tcp/read-path.js";
 import { bytes, makeSide, mr, sge, waitCompletions, type Side } from "../support/seam.js";
 
 const MiB = 1 << 20;
@@ -91,6 +94,26 @@ describe("tcp read path (issue 21 point 2)", () => {
     // One stream per QP pair (wire version 2): the pair's one accepted stream.
     assert.equal(readPathStats.onread, before.onread + 1, `the accepted stream uses onread: ${JSON.stringify(readPathStats)} (before ${JSON.stringify(before)})`);
     assert.equal(readPathStats.fallback, before.fallback, "no accepted stream fell back to 'data'");
+  });
+
+  it("issue 21 point 1: large WRITE and READ payloads are read straight into registered memory (direct reads), exact bytes", async () => {
+    // A read that fills the read buffer is followed by a direct read; whether a given read fills it
+    // depends on how far the sender got, so up to three exchanges (8 MiB of payloads each).
+    const before = { ...directStats };
+    for (let i = 0; i < 3 && directStats.bytes === before.bytes; i++) await exchange();
+    assert.ok(directStats.bytes > before.bytes, `no byte was read straight into registered memory: ${JSON.stringify(directStats)}`);
+    assert.ok(directStats.reads > before.reads);
+  });
+
+  it("issue 21 point 1: with direct reads off, the read buffer carries the same bytes", async () => {
+    const before = { ...directStats };
+    directOptions.directReads = false;
+    try {
+      await exchange();
+    } finally {
+      directOptions.directReads = true;
+    }
+    assert.deepEqual(directStats, before, "no direct read happened");
   });
 
   it("issue 21 point 2: the 'data' fallback for accepted sockets (where Node cannot give them onread) carries the same bytes", async () => {

@@ -27,6 +27,16 @@ export interface PlacementWindow {
   readonly rkey: number;
 }
 
+/**
+ * Reads up to `len` bytes of the socket straight into `view[at, at + len)`
+ * (read-path.ts): the bytes read, 0 when none were waiting (or the stream
+ * ended), -1 when the read failed (the stream's own events report why).
+ */
+export type DirectRead = (view: Uint8Array, at: number, len: number) => number;
+
+/** Payload bytes still to come, in one segment, from which a read goes straight into registered memory. */
+export const DIRECT_MIN = 16 * 1024;
+
 /** DataView over the buffer reads land in (read-path.ts's shared buffer, or a fallback chunk). */
 const chunkDvc: DvCache = { ab: null, dv: null };
 
@@ -161,6 +171,38 @@ export class FrameReader {
         return;
       }
       if (this.remaining === 0) this.onPayloadDone(this.h);
+    }
+  }
+
+  /**
+   * Reads the rest of the current payload segment straight from the socket
+   * into its registered memory (no copy through the read buffer), while at
+   * least DIRECT_MIN bytes of it are still to come and every read is whole.
+   * Synchronous: each read checks the placement first (as `feed` does for
+   * every chunk) and lands inside the segment the header's checks gave;
+   * nothing is armed across event-loop turns, so a deregister or a detach
+   * between two reads stops the next one. A read that comes back short (the
+   * socket is drained) ends the pull: the event loop resumes reading.
+   */
+  pullDirect(read: DirectRead): void {
+    while (this.remaining >= DIRECT_MIN && this.placing && !this.stopped && this.ti < this.nseg) {
+      const segLeft = this.segLen[this.ti]! - this.toff;
+      if (segLeft < DIRECT_MIN || !this.alive()) return;
+      const mr = this.segMr[this.ti]!;
+      const want = Math.min(segLeft, this.remaining);
+      const n = read(mr.view, this.segOff[this.ti]! + this.toff, want);
+      if (n <= 0) return;
+      this.toff += n;
+      if (this.toff === this.segLen[this.ti]!) {
+        this.ti++;
+        this.toff = 0;
+      }
+      this.remaining -= n;
+      if (this.remaining === 0) {
+        this.onPayloadDone(this.h);
+        return;
+      }
+      if (n < want) return;
     }
   }
 

@@ -23,7 +23,7 @@ import { RdmaError, checkInt } from "../../errors.js";
 import { QpState, WcStatus, type AsyncEvent, type AsyncEventType, type Device, type Endpoint, type QpConnectAttr, type QpInitAttr, type QueuePair, type RecvWr, type SendWr } from "../types.js";
 import { validateQpAccess, validateQpCaps, validateRecvWr, validateSendWr } from "../validate.js";
 import { FrameType, ackTimeoutMs, encodeHeader, type DecodedHeader } from "./codec.js";
-import { FrameReader } from "./frame-reader.js";
+import { DIRECT_MIN, FrameReader } from "./frame-reader.js";
 import type { TcpCq } from "./cq.js";
 import { DEFAULT_LIVENESS_MS } from "./liveness.js";
 import type { TcpMw } from "./memory.js";
@@ -238,6 +238,8 @@ export class TcpQueuePair implements QueuePair, QpCore {
     const feed = (buf: Buffer, start: number, end: number): void => {
       this.heard = true;
       reader.feed(buf, start, end);
+      // A large payload still to come, and the read filled the buffer: the rest goes straight into its memory.
+      if (port.more && port.direct !== null && reader.payloadLeft >= DIRECT_MIN) reader.pullDirect(port.direct);
       // Bytes of a response payload still arriving are progress too (a header is counted when it is taken).
       if (reader.payloadLeft > 0 && reader.h.type === FrameType.READ_RESP) req.liveness.progress();
       resp.afterChunk();

@@ -18,8 +18,10 @@
  * or the wrap throws) the accepted socket stays as it is and is read through
  * the 'data' event into the same sink: slower, identical bytes.
  */
+import * as fs from "node:fs";
 import * as net from "node:net";
 import { deliverAfter } from "./cq.js";
+import type { DirectRead } from "./frame-reader.js";
 
 /** Size of the shared read buffer: the most one read takes from the kernel. */
 export const READ_BUFFER_BYTES = 64 * 1024;
@@ -32,6 +34,48 @@ function readBuffer(): Buffer {
 /** Where a socket's bytes go: `sink(buf, start, end)` must consume buf[start, end) before returning. */
 export class ReadPort {
   sink: (buf: Buffer, start: number, end: number) => void = drop;
+  /**
+   * Set while `sink` runs: the read filled the whole read buffer, so more
+   * bytes may be waiting in the socket (a short read means it is drained).
+   */
+  more = false;
+  /** Reads the socket straight into registered memory (onread sockets with a file descriptor), or null. */
+  direct: DirectRead | null = null;
+}
+
+/** Counters of direct reads (tests and benchmarks): reads, and the bytes they placed. */
+export const directStats = { reads: 0, bytes: 0 };
+
+/** Tests turn direct reads off with `directReads = false` (the copy path then places every byte). */
+export const directOptions = { directReads: true };
+
+interface FdHandle {
+  _handle: { fd?: unknown } | null;
+}
+
+/**
+ * A direct reader for `sock`: fs.readSync on its file descriptor, inside the
+ * socket's own read callback (so never concurrently with libuv's reads, and
+ * in stream order: onread sockets keep no bytes of their own). null where
+ * there is no descriptor (Windows pipes and handles).
+ */
+function directReader(sock: net.Socket): DirectRead | null {
+  if (!directOptions.directReads) return null;
+  const owner = sock as unknown as FdHandle;
+  return (view: Uint8Array, at: number, len: number): number => {
+    const fd = owner._handle?.fd;
+    if (typeof fd !== "number" || fd < 0) return -1;
+    let n: number;
+    try {
+      n = fs.readSync(fd, view, at, len, null);
+    } catch {
+      // EAGAIN: nothing waiting. Anything else the socket's next read reports.
+      return 0;
+    }
+    directStats.reads++;
+    directStats.bytes += n;
+    return n;
+  };
 }
 
 function drop(): void {}
@@ -46,7 +90,9 @@ function onreadOf(port: ReadPort): { buffer: Buffer; callback: (n: number, buf: 
   return {
     buffer: readBuffer(),
     callback: (n: number, buf: Uint8Array): boolean => {
+      port.more = n === buf.length;
       deliverAfter(port.sink, buf as Buffer, 0, n);
+      port.more = false;
       return true;
     },
   };
@@ -54,7 +100,9 @@ function onreadOf(port: ReadPort): { buffer: Buffer; callback: (n: number, buf: 
 
 /** Dials `host:port`; its bytes go to `into`. */
 export function dialData(host: string, port: number, into: ReadPort): net.Socket {
-  return net.connect({ host, port, noDelay: true, onread: onreadOf(into) });
+  const sock = net.connect({ host, port, noDelay: true, onread: onreadOf(into) });
+  into.direct = directReader(sock);
+  return sock;
 }
 
 interface HandleOwner {
@@ -74,6 +122,7 @@ export function adoptAccepted(orig: net.Socket, into: ReadPort): net.Socket {
       const s = new net.Socket({ handle: handle as never, readable: true, writable: true, onread: onreadOf(into) } as net.SocketConstructorOpts);
       // The original object let go of the handle; destroying it only settles the server's connection count.
       s.once("close", () => orig.destroy());
+      into.direct = directReader(s);
       s.resume();
       readPathStats.onread++;
       return s;
