@@ -35,7 +35,7 @@ export interface PlacementWindow {
 export type DirectRead = (view: Uint8Array, at: number, len: number) => number;
 
 /** Payload bytes still to come, in one segment, from which a read goes straight into registered memory. */
-export const DIRECT_MIN = 16 * 1024;
+export const DIRECT_MIN = 64 * 1024;
 
 /** DataView over the buffer reads land in (read-path.ts's shared buffer, or a fallback chunk). */
 const chunkDvc: DvCache = { ab: null, dv: null };
