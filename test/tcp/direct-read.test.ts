@@ -11,7 +11,7 @@
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
 import { randomBytes } from "node:crypto";
-import { DIRECT_MIN, FrameReader, type DirectRead, type PlacementMr } from "../../src/transport/tcp/frame-reader.js";
+import { DIRECT_MAX, DIRECT_MIN, FrameReader, type DirectRead, type PlacementMr } from "../../src/transport/tcp/frame-reader.js";
 import { FrameType, HEADER_LEN, encodeHeader } from "../../src/transport/tcp/codec.js";
 
 interface FakeMr extends PlacementMr {
@@ -88,6 +88,28 @@ describe("tcp direct reads (FrameReader.pullDirect)", () => {
     // The next frame is read the usual way.
     reader.feed(sock.chunk(HEADER_LEN));
     assert.deepEqual(events, ["done", "done"]);
+  });
+
+  it("one pull reads at most DIRECT_MAX bytes, then hands reading back to the event loop", () => {
+    const L = 3 * DIRECT_MAX + 12_345;
+    const mr = fakeMr(L, 0);
+    const payload = randomBytes(L);
+    const { reader, events, sock, asks } = rig([{ mr, off: 0, len: L }], Buffer.concat([writeHeader(L), payload]));
+    reader.feed(sock.chunk(HEADER_LEN + 1000));
+    let pulls = 0;
+    while (reader.payloadLeft >= DIRECT_MIN) {
+      const before = asks.length;
+      const left = reader.payloadLeft;
+      reader.pullDirect(sock.read);
+      pulls++;
+      const took = left - reader.payloadLeft;
+      assert.ok(took > 0 && took <= DIRECT_MAX, `pull ${pulls} took ${took} bytes`);
+      assert.ok(asks.slice(before).every((a) => a.len <= DIRECT_MAX));
+    }
+    assert.equal(pulls, 3);
+    reader.feed(sock.chunk(sock.left));
+    assert.deepEqual(events, ["done"]);
+    assert.deepEqual(Buffer.from(mr.view), payload);
   });
 
   it("a short read ends the pull (the socket is drained); the next one goes on where it stopped", () => {

@@ -15,7 +15,8 @@ import assert from "node:assert/strict";
 import { createHash, randomBytes } from "node:crypto";
 import { SendFlags, WcStatus, WrOpcode, wcStatusName, type SendWr } from "../../src/transport/types.js";
 import { tcpProvider } from "../../src/transport/tcp/index.js";
-import { directOptions, directStats, readPathOptions, readPathStats } from "../../src/transport/tcp/read-path.js";
+import net from "node:net";
+import { ReadPort, dialData, directOptions, directStats, readPathOptions, readPathStats } from "../../src/transport/tcp/read-path.js";
 import { bytes, makeSide, mr, sge, waitCompletions, type Side } from "../support/seam.js";
 
 const MiB = 1 << 20;
@@ -103,6 +104,44 @@ describe("tcp read path (issue 21 point 2)", () => {
     for (let i = 0; i < 3 && directStats.bytes === before.bytes; i++) await exchange();
     assert.ok(directStats.bytes > before.bytes, `no byte was read straight into registered memory: ${JSON.stringify(directStats)}`);
     assert.ok(directStats.reads > before.reads);
+  });
+
+  it("issue 21 point 1: a connection reset met by a direct read is reported as the socket's error (ECONNRESET), not as a clean end", async () => {
+    // The peer sends exactly one read buffer's worth; the reading side stays paused until the
+    // kernel has it all, so its first read fills the buffer. Inside that read's callback the peer
+    // resets (on loopback the reset arrives within the peer's close) and the direct read meets it:
+    // the kernel reports a reset once, so the direct read must hand it on.
+    let written: () => void;
+    const wasWritten = new Promise<void>((r) => (written = r));
+    let peer: net.Socket | null = null;
+    const srv = net.createServer((s) => {
+      peer = s;
+      s.on("error", () => {});
+      s.write(Buffer.alloc(64 * 1024, 1), () => written());
+    });
+    await new Promise<void>((r) => srv.listen(0, "127.0.0.1", r));
+    try {
+      const port = new ReadPort();
+      let direct: number | null = null;
+      port.sink = () => {
+        if (direct !== null || !port.more || !port.direct) return;
+        peer!.resetAndDestroy();
+        direct = port.direct(new Uint8Array(1 << 20), 0, 1 << 20);
+      };
+      const sock = dialData("127.0.0.1", (srv.address() as net.AddressInfo).port, port);
+      sock.pause();
+      const events: string[] = [];
+      const closed = new Promise<void>((r) => sock.on("close", () => r()));
+      sock.on("error", (e: NodeJS.ErrnoException) => events.push(`error ${e.code}`));
+      sock.on("end", () => events.push("end"));
+      await wasWritten;
+      sock.resume();
+      await closed;
+      assert.equal(direct, -1, "the direct read met the reset");
+      assert.deepEqual(events, ["error ECONNRESET"]);
+    } finally {
+      srv.close();
+    }
   });
 
   it("issue 21 point 1: with direct reads off, the read buffer carries the same bytes", async () => {

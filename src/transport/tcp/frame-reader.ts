@@ -6,6 +6,10 @@
  * still registered (and a window's key unchanged). What a frame *means* is
  * the handlers' business.
  *
+ * The rest of a large segment can instead be read from the socket straight
+ * into its memory (pullDirect, called by the QP's feed after a read that
+ * filled the read buffer): the same checks, one read at a time.
+ *
  * A placement is a list of (MR, offset, length) segments copied into the
  * reader's own arrays (reused frame after frame): it holds no view and no
  * closure, and nothing of the request or send-queue record it came from. The
@@ -30,9 +34,13 @@ export interface PlacementWindow {
 /**
  * Reads up to `len` bytes of the socket straight into `view[at, at + len)`
  * (read-path.ts): the bytes read, 0 when none were waiting (or the stream
- * ended), -1 when the read failed (the stream's own events report why).
+ * ended), -1 when the read failed (the stream is destroyed with that error,
+ * or, for a read that could not be made, the read buffer carries the bytes).
  */
 export type DirectRead = (view: Uint8Array, at: number, len: number) => number;
+
+/** Most bytes one pullDirect reads (then the event loop reads again): a socket callback's work stays bounded. */
+export const DIRECT_MAX = 1024 * 1024;
 
 /** Payload bytes still to come, in one segment, from which a read goes straight into registered memory. */
 export const DIRECT_MIN = 64 * 1024;
@@ -182,16 +190,20 @@ export class FrameReader {
    * every chunk) and lands inside the segment the header's checks gave;
    * nothing is armed across event-loop turns, so a deregister or a detach
    * between two reads stops the next one. A read that comes back short (the
-   * socket is drained) ends the pull: the event loop resumes reading.
+   * socket is drained) ends the pull: the event loop resumes reading. One
+   * pull reads at most DIRECT_MAX bytes, so one socket callback handles at
+   * most a read buffer and DIRECT_MAX.
    */
   pullDirect(read: DirectRead): void {
-    while (this.remaining >= DIRECT_MIN && this.placing && !this.stopped && this.ti < this.nseg) {
+    let budget = DIRECT_MAX;
+    while (this.remaining >= DIRECT_MIN && this.placing && !this.stopped && this.ti < this.nseg && budget > 0) {
       const segLeft = this.segLen[this.ti]! - this.toff;
       if (segLeft < DIRECT_MIN || !this.alive()) return;
       const mr = this.segMr[this.ti]!;
-      const want = Math.min(segLeft, this.remaining);
+      const want = Math.min(segLeft, this.remaining, budget);
       const n = read(mr.view, this.segOff[this.ti]! + this.toff, want);
       if (n <= 0) return;
+      budget -= n;
       this.toff += n;
       if (this.toff === this.segLen[this.ti]!) {
         this.ti++;

@@ -17,6 +17,14 @@
  * byte is read before). Where that cannot be done (the handle is not there,
  * or the wrap throws) the accepted socket stays as it is and is read through
  * the 'data' event into the same sink: slower, identical bytes.
+ *
+ * Large payloads skip the shared buffer: after a read that filled it (more
+ * may be waiting), the QP's feed may read the rest of a payload segment
+ * straight from the socket's descriptor into its registered memory
+ * (`ReadPort.direct`, frame-reader.ts pullDirect). That read runs inside
+ * the socket's own read callback, so never beside one of libuv's, and in
+ * stream order (an `onread` socket keeps no bytes of its own); a socket
+ * read through 'data' (which may hold bytes back) never gets one.
  */
 import * as fs from "node:fs";
 import * as net from "node:net";
@@ -43,10 +51,10 @@ export class ReadPort {
   direct: DirectRead | null = null;
 }
 
-/** Counters of direct reads (tests and benchmarks): reads, and the bytes they placed. */
-export const directStats = { reads: 0, bytes: 0 };
+/** Counters of direct reads (tests and benchmarks): reads tried, reads that placed bytes, and those bytes. */
+export const directStats = { attempts: 0, reads: 0, bytes: 0 };
 
-/** Tests turn direct reads off with `directReads = false` (the copy path then places every byte). */
+/** Tests turn direct reads off with `directReads = false` for sockets made after (the read buffer then carries every byte). */
 export const directOptions = { directReads: true };
 
 interface FdHandle {
@@ -65,15 +73,23 @@ function directReader(sock: net.Socket): DirectRead | null {
   return (view: Uint8Array, at: number, len: number): number => {
     const fd = owner._handle?.fd;
     if (typeof fd !== "number" || fd < 0) return -1;
+    directStats.attempts++;
     let n: number;
     try {
       n = fs.readSync(fd, view, at, len, null);
-    } catch {
-      // EAGAIN: nothing waiting. Anything else the socket's next read reports.
-      return 0;
+    } catch (e) {
+      const err = e as NodeJS.ErrnoException;
+      // Nothing waiting.
+      if (err.code === "EAGAIN" || err.code === "EWOULDBLOCK") return 0;
+      // The socket failed (a reset, a timeout): the kernel reports that once, so it is this
+      // read's to report. Anything else (an argument Node refused) left the bytes in the socket.
+      if (err.syscall === "read" && typeof err.errno === "number") sock.destroy(err);
+      return -1;
     }
-    directStats.reads++;
-    directStats.bytes += n;
+    if (n > 0) {
+      directStats.reads++;
+      directStats.bytes += n;
+    }
     return n;
   };
 }
@@ -91,8 +107,11 @@ function onreadOf(port: ReadPort): { buffer: Buffer; callback: (n: number, buf: 
     buffer: readBuffer(),
     callback: (n: number, buf: Uint8Array): boolean => {
       port.more = n === buf.length;
-      deliverAfter(port.sink, buf as Buffer, 0, n);
-      port.more = false;
+      try {
+        deliverAfter(port.sink, buf as Buffer, 0, n);
+      } finally {
+        port.more = false;
+      }
       return true;
     },
   };
