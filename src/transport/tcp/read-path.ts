@@ -106,12 +106,12 @@ function onreadOf(port: ReadPort): { buffer: Buffer; callback: (n: number, buf: 
   return {
     buffer: readBuffer(),
     callback: (n: number, buf: Uint8Array): boolean => {
-      port.more = n === buf.length;
-      try {
-        deliverAfter(port.sink, buf as Buffer, 0, n);
-      } finally {
-        port.more = false;
-      }
+      // No try/finally here (it measured 2-3 % more CPU per RPC call): a sink that throws leaves
+      // `more` set until the next read sets it again, which costs at most one direct read that
+      // finds nothing (a read from the socket is in stream order wherever it is made).
+      port.more = n === READ_BUFFER_BYTES;
+      deliverAfter(port.sink, buf as Buffer, 0, n);
+      port.more = false;
       return true;
     },
   };
