@@ -90,7 +90,7 @@ describe("tcp direct reads (FrameReader.pullDirect)", () => {
     assert.deepEqual(events, ["done", "done"]);
   });
 
-  it("one pull reads at most DIRECT_MAX bytes, then hands reading back to the event loop", () => {
+  it("one pull reads at most DIRECT_MAX bytes, then leaves the rest to the socket's next read", () => {
     const L = 3 * DIRECT_MAX + 12_345;
     const mr = fakeMr(L, 0);
     const payload = randomBytes(L);

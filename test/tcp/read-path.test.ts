@@ -16,8 +16,9 @@ import { createHash, randomBytes } from "node:crypto";
 import { SendFlags, WcStatus, WrOpcode, wcStatusName, type SendWr } from "../../src/transport/types.js";
 import { tcpProvider } from "../../src/transport/tcp/index.js";
 import net from "node:net";
-import { ReadPort, dialData, directOptions, directStats, readPathOptions, readPathStats } from "../../src/transport/tcp/read-path.js";
-import { bytes, makeSide, mr, sge, waitCompletions, type Side } from "../support/seam.js";
+import { DIRECT_TURN_MAX, ReadPort, dialData, directOptions, directStats, directTurnLeft, readPathOptions, readPathStats } from "../../src/transport/tcp/read-path.js";
+import { DEADLINE_MS, bytes, makeSide, mr, sge, waitCompletions, type Side } from "../support/seam.js";
+import { deadline } from "../support/fuzz.js";
 
 const MiB = 1 << 20;
 
@@ -134,12 +135,58 @@ describe("tcp read path (issue 21 point 2)", () => {
       const closed = new Promise<void>((r) => sock.on("close", () => r()));
       sock.on("error", (e: NodeJS.ErrnoException) => events.push(`error ${e.code}`));
       sock.on("end", () => events.push("end"));
-      await wasWritten;
+      await deadline(wasWritten, DEADLINE_MS, "the peer's 64 KiB handed to its kernel");
       sock.resume();
-      await closed;
+      await deadline(closed, DEADLINE_MS, "the socket to close (a first read shorter than 64 KiB would never reset the peer)");
       assert.equal(direct, -1, "the direct read met the reset");
       assert.deepEqual(events, ["error ECONNRESET"]);
     } finally {
+      srv.close();
+    }
+  });
+
+  it("issue 21 point 1: direct reads take at most a budget per event-loop turn (over all sockets); the next turn has it whole again", async () => {
+    // The peer's bytes wait in the kernel (the reading side is paused until they were written); in
+    // the first read's callback a direct read takes the turn's budget (lowered to 16 KiB here),
+    // the next one in the same turn nothing, and one in the next turn more.
+    let written: () => void;
+    const wasWritten = new Promise<void>((r) => (written = r));
+    const srv = net.createServer((s) => {
+      s.on("error", () => {});
+      s.write(Buffer.alloc(256 * 1024, 2), () => written());
+    });
+    await new Promise<void>((r) => srv.listen(0, "127.0.0.1", r));
+    const SMALL = 16 * 1024;
+    directOptions.turnMax = SMALL;
+    const sock = (() => {
+      const port = new ReadPort();
+      const view = new Uint8Array(1 << 20);
+      const got: number[] = [];
+      let done: () => void;
+      const finished = new Promise<void>((r) => (done = r));
+      port.sink = () => {
+        if (got.length > 0 || !port.more || !port.direct) return;
+        const left = directTurnLeft();
+        got.push(port.direct(view, 0, 1 << 20), port.direct(view, 0, 1 << 20));
+        assert.equal(left, SMALL, "a fresh turn starts with the whole budget");
+        setImmediate(() => {
+          got.push(port.direct!(view, 0, 1 << 20));
+          done();
+        });
+      };
+      const s = dialData("127.0.0.1", (srv.address() as net.AddressInfo).port, port);
+      s.pause();
+      return { s, got, finished };
+    })();
+    try {
+      await deadline(wasWritten, DEADLINE_MS, "the peer's bytes handed to its kernel");
+      sock.s.resume();
+      await deadline(sock.finished, DEADLINE_MS, "the reads");
+      assert.deepEqual(sock.got.slice(0, 2), [SMALL, 0], "the first direct read takes the budget, the second in the same turn nothing");
+      assert.ok(sock.got[2]! > 0, `a direct read in the next turn takes bytes again: ${JSON.stringify(sock.got)}`);
+    } finally {
+      directOptions.turnMax = DIRECT_TURN_MAX;
+      sock.s.destroy();
       srv.close();
     }
   });

@@ -39,7 +39,11 @@ export interface PlacementWindow {
  */
 export type DirectRead = (view: Uint8Array, at: number, len: number) => number;
 
-/** Most bytes one pullDirect reads (then the event loop reads again): a socket callback's work stays bounded. */
+/**
+ * Most bytes one pullDirect reads: one socket read callback handles at most
+ * a read buffer and this (read-path.ts also bounds direct reads per
+ * event-loop turn, over all sockets).
+ */
 export const DIRECT_MAX = 1024 * 1024;
 
 /** Payload bytes still to come, in one segment, from which a read goes straight into registered memory. */
@@ -190,9 +194,9 @@ export class FrameReader {
    * every chunk) and lands inside the segment the header's checks gave;
    * nothing is armed across event-loop turns, so a deregister or a detach
    * between two reads stops the next one. A read that comes back short (the
-   * socket is drained) ends the pull: the event loop resumes reading. One
-   * pull reads at most DIRECT_MAX bytes, so one socket callback handles at
-   * most a read buffer and DIRECT_MAX.
+   * socket is drained) ends the pull, and libuv's own reads go on. One pull
+   * reads at most DIRECT_MAX bytes, so one socket callback handles at most a
+   * read buffer and DIRECT_MAX.
    */
   pullDirect(read: DirectRead): void {
     let budget = DIRECT_MAX;

@@ -54,18 +54,45 @@ export class ReadPort {
 /** Counters of direct reads (tests and benchmarks): reads tried, reads that placed bytes, and those bytes. */
 export const directStats = { attempts: 0, reads: 0, bytes: 0 };
 
-/** Tests turn direct reads off with `directReads = false` for sockets made after (the read buffer then carries every byte). */
-export const directOptions = { directReads: true };
+/**
+ * Tests turn direct reads off with `directReads = false` for sockets made
+ * after (the read buffer then carries every byte), and may lower the
+ * per-turn budget (`turnMax`).
+ */
+export const directOptions = { directReads: true, turnMax: 1024 * 1024 };
 
 interface FdHandle {
   _handle: { fd?: unknown } | null;
 }
 
 /**
+ * Bytes direct reads may still take in this event-loop turn, over every
+ * socket of the process. libuv reads one socket up to 32 times per wake-up
+ * while its reads come back full (32 × 64 KiB through the read buffer); a
+ * direct read after each would multiply that. With this budget a turn moves
+ * at most that plus DIRECT_TURN_MAX, however many sockets pull.
+ */
+export const DIRECT_TURN_MAX = 1024 * 1024;
+/** Bytes direct reads took in this turn (back to 0 at the end of a turn that took any). */
+let turnUsed = 0;
+let budgetReset: NodeJS.Immediate | null = null;
+function resetBudget(): void {
+  turnUsed = 0;
+  budgetReset = null;
+}
+
+/** What direct reads may still take in this event-loop turn (tests). */
+export function directTurnLeft(): number {
+  return Math.max(0, directOptions.turnMax - turnUsed);
+}
+
+/**
  * A direct reader for `sock`: fs.readSync on its file descriptor, inside the
  * socket's own read callback (so never concurrently with libuv's reads, and
- * in stream order: onread sockets keep no bytes of their own). null where
- * there is no descriptor (Windows pipes and handles).
+ * in stream order: onread sockets keep no bytes of their own); at most the
+ * turn's budget (DIRECT_TURN_MAX), then 0 until the next turn. null when
+ * direct reads are off; where the socket has no descriptor (Windows) every
+ * read returns -1 and the read buffer carries the bytes.
  */
 function directReader(sock: net.Socket): DirectRead | null {
   if (!directOptions.directReads) return null;
@@ -73,6 +100,9 @@ function directReader(sock: net.Socket): DirectRead | null {
   return (view: Uint8Array, at: number, len: number): number => {
     const fd = owner._handle?.fd;
     if (typeof fd !== "number" || fd < 0) return -1;
+    const left = directOptions.turnMax - turnUsed;
+    if (left <= 0) return 0;
+    if (len > left) len = left;
     directStats.attempts++;
     let n: number;
     try {
@@ -89,6 +119,11 @@ function directReader(sock: net.Socket): DirectRead | null {
     if (n > 0) {
       directStats.reads++;
       directStats.bytes += n;
+      turnUsed += n;
+      if (budgetReset === null) {
+        budgetReset = setImmediate(resetBudget);
+        budgetReset.unref();
+      }
     }
     return n;
   };
@@ -107,8 +142,9 @@ function onreadOf(port: ReadPort): { buffer: Buffer; callback: (n: number, buf: 
     buffer: readBuffer(),
     callback: (n: number, buf: Uint8Array): boolean => {
       // No try/finally here (it measured 2-3 % more CPU per RPC call): a sink that throws leaves
-      // `more` set until the next read sets it again, which costs at most one direct read that
-      // finds nothing (a read from the socket is in stream order wherever it is made).
+      // `more` set until the next read sets it again. The only feed that can see it meanwhile is a
+      // parked socket's first (QP.connect feeding what its HELLO read left): a direct read then
+      // takes the bytes that follow those, in stream order, as the next read would.
       port.more = n === READ_BUFFER_BYTES;
       deliverAfter(port.sink, buf as Buffer, 0, n);
       port.more = false;
@@ -141,8 +177,9 @@ export function adoptAccepted(orig: net.Socket, into: ReadPort): net.Socket {
       const s = new net.Socket({ handle: handle as never, readable: true, writable: true, onread: onreadOf(into) } as net.SocketConstructorOpts);
       // The original object let go of the handle; destroying it only settles the server's connection count.
       s.once("close", () => orig.destroy());
-      into.direct = directReader(s);
       s.resume();
+      // Only a socket read through onread may be read directly (the 'data' path may hold bytes back).
+      into.direct = directReader(s);
       readPathStats.onread++;
       return s;
     } catch {
