@@ -32,12 +32,13 @@ function writeHeader(payloadLen: number): Buffer {
  * its checks), and a fake socket holding `wire`: `read` hands out at most
  * `avail` bytes per call, in order, and records what each call asked for.
  */
-function rig(segs: { mr: FakeMr; off: number; len: number }[], wire: Uint8Array) {
+function rig(segs: { mr: FakeMr; off: number; len: number }[], wire: Uint8Array, win: { rkey: number } | null = null) {
   const events: string[] = [];
   const reader = new FrameReader(
     () => {
       reader.placeBegin();
       for (const s of segs) reader.placeSeg(s.mr, s.off, s.len);
+      if (win !== null) reader.placeWindow(win, win.rkey);
     },
     () => events.push("done"),
     (reason) => events.push(`malformed: ${reason}`),
@@ -149,6 +150,23 @@ describe("tcp direct reads (FrameReader.pullDirect)", () => {
     assert.deepEqual(events, ["revoked", "done", "done"]);
     assert.ok(mr.view.subarray(0, landed).every((x) => x === 0xee));
     assert.ok(mr.view.subarray(landed).every((x) => x === 0x55), "no byte landed after the deregister");
+  });
+
+  it("a memory window invalidated or rebound between two reads (its key changed) stops the next one", () => {
+    const L = 200_000;
+    const mr = fakeMr(L, 0x55);
+    const win = { rkey: 0x1234 };
+    const { reader, events, sock, asks } = rig([{ mr, off: 0, len: L }], Buffer.concat([writeHeader(L), Buffer.alloc(L, 0xee)]), win);
+    reader.feed(sock.chunk(HEADER_LEN + 100));
+    sock.avail = 50_000;
+    reader.pullDirect(sock.read);
+    assert.equal(asks.length, 1);
+    win.rkey = 0x1299; // LOCAL_INV, or a new bind: the key the placement was checked with is gone
+    reader.pullDirect(sock.read);
+    assert.equal(asks.length, 1, "no read through a window whose key changed");
+    while (sock.left > 0) reader.feed(sock.chunk(65536));
+    assert.deepEqual(events, ["revoked", "done"]);
+    assert.ok(mr.view.subarray(100 + 50_000).every((x) => x === 0x55), "no byte landed after the key changed");
   });
 
   it("segments: each read stays inside one segment; a segment below DIRECT_MIN goes through the read buffer", () => {
