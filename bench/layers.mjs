@@ -8,7 +8,10 @@
 //          the CQ (what the agent does underneath)
 //   api    rdma.send() / rdma.receive() (the agent: credits, lanes, inbox)
 //   rpc    RpcClient.call() on an RpcServer echo (the RPC layer on top)
-//   node   net.Socket ping-pong (the reference)
+//   node   net.Socket ping-pong of one fixed buffer (the floor)
+//   node-rpc  the echo RPC on net.Socket that bench/rpc-vs-node.mjs measures
+//          (bench/lib/node-rpc.mjs: framed, ids matched through a Map), the
+//          reference for the rpc row
 //
 // The difference between two rows is what the layer between them costs.
 // Each layer first runs for --warmup-ms (default 2000) unmeasured, then
@@ -23,6 +26,7 @@
 import net from "node:net";
 import { createHook } from "node:async_hooks";
 import { loadavg } from "node:os";
+import { nodeRpcClient, serveNodeEcho } from "./lib/node-rpc.mjs";
 
 const args = Object.fromEntries(process.argv.slice(2).reduce((a, v, i, all) => (v.startsWith("--") ? [...a, [v.slice(2), all[i + 1]]] : a), []));
 const TRIPS = Number(args.trips ?? 20000);
@@ -161,15 +165,29 @@ async function node() {
   return r;
 }
 
-const layers = { seam, api, rpc, node };
+async function nodeRpc() {
+  const srv = net.createServer({ noDelay: true }, serveNodeEcho);
+  await new Promise((r) => srv.listen(0, "127.0.0.1", r));
+  const s = net.connect({ port: srv.address().port, host: "127.0.0.1", noDelay: true });
+  await new Promise((r) => s.once("connect", r));
+  const call = nodeRpcClient(s);
+  const payload = Buffer.alloc(SIZE, 7);
+  const r = await measure(() => call(payload));
+  s.destroy();
+  srv.close();
+  return r;
+}
+
+const layers = { seam, api, rpc, node, "node-rpc": nodeRpc };
 const res = Object.fromEntries(Object.keys(layers).map((k) => [k, []]));
 for (let i = 0; i < RUNS; i++) for (const [k, f] of Object.entries(layers)) res[k].push(await f());
 const med = (xs) => xs.slice().sort((a, b) => a - b)[Math.floor(xs.length / 2)];
 console.log(`# the message path's budget per 32-byte round trip, both sides in one process; ${TRIPS} trips after ${WARMUP_MS} ms of warm-up, ${RUNS} runs (medians); load ${loadavg()[0].toFixed(2)}`);
-console.log("| layer | CPU µs / round trip | × node | promises / round trip (incl. the loop's awaits) |");
-console.log("|---|---|---|---|");
+console.log("| layer | CPU µs / round trip | × node | × node-rpc | promises / round trip (incl. the loop's awaits) |");
+console.log("|---|---|---|---|---|");
 const n = med(res.node.map((x) => x.us));
+const nr = med(res["node-rpc"].map((x) => x.us));
 for (const k of Object.keys(layers)) {
   const us = med(res[k].map((x) => x.us));
-  console.log(`| ${k} | ${us.toFixed(1)} | ${(us / n).toFixed(2)} | ${med(res[k].map((x) => x.promises)).toFixed(1)} |`);
+  console.log(`| ${k} | ${us.toFixed(1)} | ${(us / n).toFixed(2)} | ${(us / nr).toFixed(2)} | ${med(res[k].map((x) => x.promises)).toFixed(1)} |`);
 }

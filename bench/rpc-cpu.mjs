@@ -1,6 +1,10 @@
 #!/usr/bin/env node
 // CPU time per RPC call, client and server in one process: async-rdma/rpc
-// (tcp provider, loopback) against the same echo over a plain Node socket.
+// (tcp provider, loopback) against the same echo RPC over a plain Node socket
+// (bench/lib/node-rpc.mjs: framed, request ids matched through a Map, as
+// bench/rpc-vs-node.mjs measures it), and against a bare Node ping-pong of
+// one fixed 44-byte buffer (no framing, no ids: the floor of any RPC on a
+// socket).
 // CPU seconds (user + sys) per call hold up better than calls/s on a loaded
 // machine: they count what each call costs, not how long it waited for a core.
 // Runs alternate (ours, node, ours, ...); prints min and median per side.
@@ -11,6 +15,7 @@
 //
 // A program that reports: it never fails on a number.
 import net from "node:net";
+import { nodeRpcClient, serveNodeEcho } from "./lib/node-rpc.mjs";
 
 const args = Object.fromEntries(process.argv.slice(2).reduce((a, v, i, all) => (v.startsWith("--") ? [...a, [v.slice(2), all[i + 1]]] : a), []));
 const RUNS = Number(args.runs ?? 4);
@@ -41,6 +46,19 @@ async function ours() {
   return us;
 }
 
+async function nodeRpc() {
+  const srv = net.createServer({ noDelay: true }, serveNodeEcho);
+  await new Promise((r) => srv.listen(0, "127.0.0.1", r));
+  const s = net.connect({ port: srv.address().port, host: "127.0.0.1", noDelay: true });
+  await new Promise((r) => s.once("connect", r));
+  const call = nodeRpcClient(s);
+  const payload = Buffer.alloc(SIZE, 7);
+  const us = await measure(() => call(payload));
+  s.destroy();
+  srv.close();
+  return us;
+}
+
 async function node() {
   const srv = net.createServer({ noDelay: true }, (s) => {
     s.on("data", (d) => s.write(d));
@@ -51,7 +69,7 @@ async function node() {
   await new Promise((r) => s.once("connect", r));
   let done = null;
   s.on("data", () => done());
-  // 12-byte id/length header + payload, as a minimal framed RPC would send
+  // one fixed buffer the size of a framed call, never parsed: the floor of any RPC on a socket
   const frame = Buffer.alloc(12 + SIZE);
   const us = await measure(() => new Promise((r) => ((done = r), s.write(frame))));
   s.destroy();
@@ -60,17 +78,18 @@ async function node() {
 }
 
 const a = [];
+const r = [];
 const b = [];
-for (let r = 0; r < RUNS; r++) {
+for (let i = 0; i < RUNS; i++) {
   a.push(await ours());
+  r.push(await nodeRpc());
   b.push(await node());
 }
-const stat = (xs) => {
-  const s = xs.slice().sort((x, y) => x - y);
-  return `min ${s[0].toFixed(1)} µs, median ${s[Math.floor(s.length / 2)].toFixed(1)} µs`;
-};
+const med = (xs) => xs.slice().sort((x, y) => x - y)[Math.floor(xs.length / 2)];
+const stat = (xs) => `min ${Math.min(...xs).toFixed(1)} µs, median ${med(xs).toFixed(1)} µs`;
 console.log(`# CPU per echo call (client + server, one process), ${SIZE} B, ${N} calls × ${RUNS} runs; load ${(await import("node:os")).loadavg()[0].toFixed(2)}`);
 console.log(`async-rdma/rpc (tcp): ${stat(a)}`);
-console.log(`node socket:          ${stat(b)}`);
-console.log(`ratio of medians: ${(a.slice().sort((x, y) => x - y)[Math.floor(RUNS / 2)] / b.slice().sort((x, y) => x - y)[Math.floor(RUNS / 2)]).toFixed(2)}`);
+console.log(`node socket RPC:      ${stat(r)}`);
+console.log(`node ping-pong:       ${stat(b)}`);
+console.log(`ratio of medians: ${(med(a) / med(r)).toFixed(2)} against the node socket RPC, ${(med(a) / med(b)).toFixed(2)} against the bare ping-pong`);
 process.exit(0);

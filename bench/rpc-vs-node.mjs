@@ -28,6 +28,7 @@
 import { spawn } from "node:child_process";
 import net from "node:net";
 import { fileURLToPath } from "node:url";
+import { nodeRpcClient, serveNodeEcho } from "./lib/node-rpc.mjs";
 import { keepTurning, spinIfAsked } from "./lib/spin.mjs";
 
 const args = Object.fromEntries(process.argv.slice(2).reduce((a, v, i, all) => (v.startsWith("--") ? [...a, [v.slice(2), all[i + 1]]] : a), []));
@@ -77,21 +78,7 @@ if (process.argv[2] === "--serve") {
     }
   } else {
     spinIfAsked();
-    const srv = net.createServer({ noDelay: true }, (s) => {
-      let buf = Buffer.alloc(0);
-      s.on("data", (d) => {
-        buf = buf.length ? Buffer.concat([buf, d]) : d;
-        let off = 0;
-        while (buf.length - off >= 8) {
-          const len = buf.readUInt32BE(off + 4);
-          if (buf.length - off < 8 + len) break;
-          s.write(buf.subarray(off, off + 8 + len)); // echo the frame (id + payload)
-          off += 8 + len;
-        }
-        buf = buf.subarray(off);
-      });
-      s.on("error", () => {});
-    });
+    const srv = net.createServer({ noDelay: true }, serveNodeEcho);
     srv.listen(0, "127.0.0.1", () => console.log(`port ${srv.address().port}`));
   }
 } else {
@@ -126,32 +113,9 @@ if (process.argv[2] === "--serve") {
     const s = net.connect({ port, host: "127.0.0.1", noDelay: true });
     await new Promise((r) => s.once("connect", r));
     const stopSpin = NODE_SPIN ? keepTurning() : () => {};
-    const pending = new Map();
-    let id = 0;
-    let buf = Buffer.alloc(0);
-    s.on("data", (d) => {
-      buf = buf.length ? Buffer.concat([buf, d]) : d;
-      let off = 0;
-      while (buf.length - off >= 8) {
-        const len = buf.readUInt32BE(off + 4);
-        if (buf.length - off < 8 + len) break;
-        const i = buf.readUInt32BE(off);
-        const r = pending.get(i);
-        pending.delete(i);
-        r?.(buf.subarray(off + 8, off + 8 + len));
-        off += 8 + len;
-      }
-      buf = buf.subarray(off);
-    });
+    const call = nodeRpcClient(s);
     return {
-      call: (b) =>
-        new Promise((r) => {
-          const h = Buffer.alloc(8);
-          h.writeUInt32BE(++id, 0);
-          h.writeUInt32BE(b.length, 4);
-          pending.set(id, r);
-          s.write(Buffer.concat([h, b]));
-        }),
+      call,
       close: async () => {
         stopSpin();
         s.destroy();
