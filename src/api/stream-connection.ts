@@ -27,8 +27,8 @@ export interface StreamConnection {
   send(data: LocalMr): Promise<void>;
   /** The next control message. */
   receive(opts: { signal: AbortSignal }): Promise<LocalMr>;
-  /** Writes one chunk into the peer's ring (copied into registered memory first). */
-  writeWithImm(data: Uint8Array, rmr: RemoteMr, imm: number): Promise<void>;
+  /** Writes one chunk from the send ring into the peer's ring. */
+  writeWithImm(data: LocalMr, rmr: RemoteMr, imm: number): Promise<void>;
   /** The length of the next chunk the peer wrote into this side's ring. */
   receiveWriteImm(opts: { signal: AbortSignal }): Promise<number>;
   /** Shares this side's ring with the peer. */

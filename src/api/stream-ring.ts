@@ -17,6 +17,10 @@
  *   PROTOCOL error.
  * - The peer's ring is asked for once (RING?) and opened once, from the
  *   first RING after it, and must be exactly RING bytes.
+ * - A side that writes copies each chunk into its send ring (registered
+ *   once, RING bytes, at the chunk's offset in the peer's ring) and WRITEs
+ *   it from there; a region of the send ring is copied into again only once
+ *   every WRITE posted before the one that last used it has completed.
  * - This side's ring is the stream's own ArrayBuffer registered in place,
  *   not pool memory (a connection that closes frees its pool, on verbs at
  *   once, and chunks the peer wrote before closing are still to be copied
@@ -83,9 +87,9 @@ export class RingCredit {
     return this.window - this.posted;
   }
 
-  /** The next chunk of at most `left` bytes this side may write: within the room, MAX_CHUNK, and cut at the ring's end (a chunk never wraps). */
-  nextChunk(left: number): number {
-    return Math.min(MAX_CHUNK, left, this.room(), RING - (this.posted % RING));
+  /** The next chunk of at most `left` bytes this side may write: within the room (and `cap`), MAX_CHUNK, and cut at the ring's end (a chunk never wraps). */
+  nextChunk(left: number, cap: number = RING): number {
+    return Math.min(MAX_CHUNK, left, this.room(), cap, RING - (this.posted % RING));
   }
 
   /** Counts `len` bytes as posted; returns their offset in the peer's ring. */
@@ -93,6 +97,65 @@ export class RingCredit {
     const at = this.posted % RING;
     this.posted += len;
     return at;
+  }
+}
+
+/**
+ * This side's send ring: registered once, when the stream first writes, and
+ * RING bytes like the peer's ring, so a chunk takes the same offset in both
+ * (posted % RING). Each chunk is copied into it and WRITTEN from there: one
+ * copy per byte, no registration or staging memory per write.
+ */
+export class SendRing {
+  /** The registered ring (null until the first write, and once freed). */
+  mr: LocalMr | null = null;
+  /** Its bytes, where chunks are copied in. */
+  bytes: Uint8Array | null = null;
+  /** Bytes posted whose WRITEs, and every WRITE before them, completed. */
+  private done = 0;
+  /** The end (posted count) of each WRITE in flight, in post order, and whether it completed. */
+  private readonly ends: number[] = [];
+  private readonly completed: boolean[] = [];
+
+  /** Registers the ring (throws what registration throws). */
+  open(rdma: Pick<StreamConnection, "registerMr">): void {
+    const buffer = new ArrayBuffer(RING);
+    this.mr = rdma.registerMr(buffer);
+    this.bytes = new Uint8Array(buffer);
+  }
+
+  /** Bytes of the ring free to copy into once `posted` bytes were posted: those whose WRITEs are all complete. */
+  room(posted: number): number {
+    return RING - (posted - this.done);
+  }
+
+  /** A WRITE ending at `end` (the posted count after it) was posted. */
+  posted(end: number): void {
+    this.ends.push(end);
+    this.completed.push(false);
+  }
+
+  /** The WRITE ending at `end` completed: the ring is free up to the first one still in flight. */
+  complete(end: number): void {
+    const i = this.ends.indexOf(end);
+    if (i < 0) return;
+    this.completed[i] = true;
+    while (this.completed.length > 0 && this.completed[0]) {
+      this.done = this.ends.shift()!;
+      this.completed.shift();
+    }
+  }
+
+  /** Frees the ring (once no WRITE holds it: a LocalMr disposed in flight is freed when its operations end). */
+  free(): void {
+    const mr = this.mr;
+    this.mr = null;
+    this.bytes = null;
+    try {
+      mr?.dispose();
+    } catch {
+      /* freed with its connection */
+    }
   }
 }
 

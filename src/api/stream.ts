@@ -6,8 +6,9 @@
  * receive ring of RING bytes (registered memory, allocated when the peer
  * first has data to send, so an idle stream holds none) and shares it with
  * the peer by a random name (`share()`, which has no lease: a stream may live
- * for hours). The writer copies a chunk into registered memory and RDMA
- * WRITEs it WITH IMMEDIATE at the ring's tail; the immediate is the chunk's
+ * for hours). The writer copies a chunk into its send ring (registered once,
+ * the same size, the chunk at the same offset) and RDMA WRITEs it WITH
+ * IMMEDIATE from there at the ring's tail; the immediate is the chunk's
  * length (1..MAX_CHUNK). The reader copies each chunk out (so the ring space
  * is free again at once) and gives ring credit back as the application
  * consumes. The parts: the control messages' bytes (stream-wire.ts), the
@@ -26,14 +27,14 @@ import { isIP } from "node:net";
 import { RdmaError } from "../errors.js";
 import type { LocalMr, RemoteMr } from "../memory/mr.js";
 import type { StreamConnection, StreamOptions } from "./stream-connection.js";
-import { MAX_CHUNK, MAX_INFLIGHT, RING, PeerRing, ReceiveRing, RingCredit } from "./stream-ring.js";
+import { MAX_CHUNK, MAX_INFLIGHT, RING, PeerRing, ReceiveRing, RingCredit, SendRing } from "./stream-ring.js";
 import { controlMr, decodeControl, describeControl, encodeFin, encodeRingName, encodeRingRequest, encodeWnd, sendControl } from "./stream-wire.js";
 import { IdleTimer } from "./stream-idle.js";
 
 export type { StreamConnection, StreamOptions };
 export { MAX_CHUNK, MAX_INFLIGHT, RING };
 
-/** The writable side's buffer: writes made while the ring is full or MAX_INFLIGHT are posted are gathered (writev) into one chunk of up to about this. */
+/** The writable side's buffer: writes made while the ring is full or MAX_INFLIGHT are posted wait in it, then are copied into the send ring together (writev). */
 const WRITE_HWM = 256 * 1024;
 /** The readable side's high-water mark (as a net.Socket's). */
 const READ_HWM = 64 * 1024;
@@ -54,6 +55,8 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   private readonly peerRing = new PeerRing();
   /** This side's receive ring (allocated on the peer's RING?, see stream-ring.ts). */
   private readonly recvRing = new ReceiveRing();
+  /** This side's send ring (registered on the first write, see stream-ring.ts). */
+  private readonly sendRing = new SendRing();
   private peerFin = false;
   private finSent = false;
   private inflight = 0;
@@ -250,7 +253,9 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
         const bad = this.credit.chunkError(len, this.bytesRead);
         if (bad !== null) return this.protocol(bad);
         const off = this.bytesRead % RING;
-        const data = Buffer.from(ring.subarray(off, off + len)); // a copy: that ring space is free again
+        // a copy (that ring space is free again), into a buffer no one zeroed first: every byte is written
+        const data = Buffer.allocUnsafe(len);
+        data.set(ring.subarray(off, off + len));
         this.bytesRead += len;
         this.idle.touch();
         if (this.push(data)) this.grant();
@@ -278,19 +283,27 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     });
   }
 
-  /** WRITEs `len` bytes of `data` at the tail of the peer's ring. */
-  private postData(rdma: C, ring: RemoteMr, data: Uint8Array, start: number, len: number): void {
+  /** Ring bytes this side may copy and WRITE now: within the peer's credit and its own send ring's free space. */
+  private room(): number {
+    return Math.min(this.credit.room(), this.sendRing.room(this.credit.posted));
+  }
+
+  /** WRITEs the `len` bytes just copied into the send ring at the tail of the peer's ring. */
+  private postData(rdma: C, ring: RemoteMr, src: LocalMr, len: number): void {
     const at = this.credit.post(len);
+    const end = this.credit.posted;
+    this.sendRing.posted(end);
     this.inflight++;
     let p: Promise<void>;
     try {
-      p = rdma.writeWithImm(data.subarray(start, start + len), ring.slice(at, at + len), len);
+      p = rdma.writeWithImm(src.slice(at, at + len), ring.slice(at, at + len), len);
     } catch (e) {
       p = Promise.reject(e as Error);
     }
     p.then(
       () => {
         this.inflight--;
+        this.sendRing.complete(end);
         this.bytesWritten += len;
         this.sent(null);
       },
@@ -301,12 +314,17 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     );
   }
 
-  /** WRITEs `data` into the peer's ring; `cb` once the ring has room for more. */
-  private sendData(data: Uint8Array, cb: (e?: Error | null) => void): void {
+  /** Copies `chunks` into the send ring and WRITEs them into the peer's ring; `cb` once all are copied and the ring has room for more. */
+  private sendData(chunks: readonly Uint8Array[], cb: (e?: Error | null) => void): void {
     this.withConn((rdma) => {
       if (this.failed) return cb(this.failed);
       this.idle.touch();
-      let off = 0;
+      let left = 0;
+      for (const c of chunks) left += c.length;
+      if (left === 0) return cb();
+      // where the next byte to copy is: chunk ci, offset co
+      let ci = 0;
+      let co = 0;
       const step = (): void => {
         if (this.failed) return cb(this.failed);
         const ring = this.peerRing.rmr;
@@ -318,15 +336,39 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
           this.waiting = step;
           return;
         }
-        while (off < data.length) {
-          if (this.inflight >= MAX_INFLIGHT || this.credit.room() <= 0) {
+        if (this.sendRing.mr === null) {
+          try {
+            this.sendRing.open(rdma);
+          } catch (e) {
+            this.destroy(e as Error);
+            return cb(e as Error);
+          }
+        }
+        const src = this.sendRing.mr!;
+        const bytes = this.sendRing.bytes!;
+        while (left > 0) {
+          const room = this.room();
+          if (this.inflight >= MAX_INFLIGHT || room <= 0) {
             this.waiting = step;
             return;
           }
           // a chunk never wraps: cut at the ring's end, the next one starts at 0
-          const len = this.credit.nextChunk(data.length - off);
-          this.postData(rdma, ring, data, off, len);
-          off += len;
+          const len = this.credit.nextChunk(left, room);
+          let at = this.credit.posted % RING;
+          for (let need = len; need > 0; ) {
+            const c = chunks[ci]!;
+            const n = Math.min(need, c.length - co);
+            bytes.set(co === 0 && n === c.length ? c : c.subarray(co, co + n), at);
+            at += n;
+            co += n;
+            need -= n;
+            if (co === c.length) {
+              ci++;
+              co = 0;
+            }
+          }
+          this.postData(rdma, ring, src, len);
+          left -= len;
         }
         if (this.inflight >= MAX_INFLIGHT) {
           this.waiting = () => cb(this.failed);
@@ -344,7 +386,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
       if (!this.destroyed) this.destroy(e);
     }
     const w = this.waiting;
-    if (w && ((this.peerRing.rmr !== null && this.inflight < MAX_INFLIGHT && this.credit.room() > 0) || this.failed)) {
+    if (w && ((this.peerRing.rmr !== null && this.inflight < MAX_INFLIGHT && this.room() > 0) || this.failed)) {
       this.waiting = null;
       w();
     }
@@ -358,14 +400,15 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   /** Duplex: one chunk to send. */
   override _write(chunk: Buffer, _enc: BufferEncoding, cb: (e?: Error | null) => void): void {
     if (chunk.length === 0) return cb();
-    this.sendData(chunk, cb);
+    this.sendData([chunk], cb);
   }
 
-  /** Duplex: chunks written meanwhile, gathered into one message. */
+  /** Duplex: chunks written meanwhile, copied into the send ring together (no concatenation first). */
   override _writev(chunks: { chunk: Buffer }[], cb: (e?: Error | null) => void): void {
-    const data = chunks.length === 1 ? chunks[0]!.chunk : Buffer.concat(chunks.map((c) => c.chunk));
-    if (data.length === 0) return cb();
-    this.sendData(data, cb);
+    this.sendData(
+      chunks.map((c) => c.chunk),
+      cb,
+    );
   }
 
   /** Duplex: `end()` — the end of this side's bytes goes to the peer (half-close), once every WRITE completed. */
@@ -398,6 +441,8 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     streams.delete(rdma);
     this.stop.abort();
     this.peerRing.free();
+    // WRITEs still in flight hold it: it is freed when they end
+    this.sendRing.free();
     // The ring is freed once the peer can no longer reach it (the share revoked in order, or the connection gone).
     const freed = this.recvRing.release();
     if (!this.ownsConn) return void freed.then(() => cb(err));

@@ -8,7 +8,7 @@
 import { describe, it } from "node:test";
 import assert from "node:assert/strict";
 import { decodeControl, describeControl, encodeFin, encodeRingName, encodeRingRequest, encodeWnd } from "../../src/api/stream-wire.js";
-import { MAX_CHUNK, RING, RingCredit } from "../../src/api/stream-ring.js";
+import { MAX_CHUNK, RING, RingCredit, SendRing } from "../../src/api/stream-ring.js";
 
 describe("issue 20 point 2: stream control messages (api/stream-wire.ts)", () => {
   it("each kind has its documented bytes and decodes back", () => {
@@ -89,5 +89,50 @@ describe("issue 20 point 2: stream ring credit (api/stream-ring.ts)", () => {
     assert.equal(c.post(100), RING - 100);
     assert.equal(c.nextChunk(1000), 1000, "the next chunk starts at offset 0");
     assert.equal(c.post(1000), 0);
+  });
+
+  it("the writer's chunks also stay within the send ring's free space (the cap)", () => {
+    const c = new RingCredit();
+    assert.equal(c.nextChunk(1000, 10), 10);
+    assert.equal(c.nextChunk(1000, 0), 0);
+  });
+});
+
+describe("issue 21: the stream's send ring (api/stream-ring.ts)", () => {
+  it("a region is free again only once every WRITE posted before it completed, whatever order completions come in", () => {
+    const r = new SendRing();
+    assert.equal(r.room(0), RING, "nothing posted: all of it");
+    r.posted(100);
+    r.posted(300);
+    r.posted(RING);
+    assert.equal(r.room(RING), 0, "the whole ring in flight");
+    r.complete(300);
+    assert.equal(r.room(RING), 0, "the first WRITE is still in flight: nothing is free");
+    r.complete(100);
+    assert.equal(r.room(RING), 300, "the first two completed: their 300 bytes");
+    r.complete(999);
+    assert.equal(r.room(RING), 300, "a completion of nothing posted changes nothing");
+    r.complete(RING);
+    assert.equal(r.room(RING), RING);
+  });
+
+  it("opens by registering RING bytes in place and frees them once", () => {
+    const registered: ArrayBuffer[] = [];
+    let disposed = 0;
+    const r = new SendRing();
+    r.open({
+      registerMr: (b: ArrayBuffer) => {
+        registered.push(b);
+        return { dispose: () => void disposed++ } as never;
+      },
+    });
+    assert.equal(registered.length, 1);
+    assert.equal(registered[0]!.byteLength, RING);
+    assert.equal(r.bytes!.buffer, registered[0]);
+    r.free();
+    r.free();
+    assert.equal(disposed, 1, "disposed once");
+    assert.equal(r.mr, null);
+    assert.equal(r.bytes, null);
   });
 });

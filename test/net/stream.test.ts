@@ -383,9 +383,13 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
     try {
       const a = p.client.createStream();
       const b = p.server.createStream();
+      const regsBefore = p.client.stats().pool.registrations;
       const [, got] = await Promise.all([pipeline(source(8 << 20), a), sink(b), sink(a)]);
       assert.equal(got.bytes, 8 << 20);
       assert.equal(got.hash, await expectedHash(8 << 20));
+      // issue 21: every chunk is copied into the send ring, registered once: no memory registered or staged per write
+      const regs = p.client.stats().pool.registrations - regsBefore;
+      assert.ok(regs < 8, `the writer registered pool memory ${regs} times for 8 MiB of 64 KiB writes`);
       // 8 MiB in chunks of at most 256 KiB, each one WRITE: no chunk goes as a message (a rendezvous each, before)
       const st = p.client.stats();
       assert.equal(st.rendezvousSent, 0, "no chunk went by rendezvous");
