@@ -52,6 +52,13 @@ for (let i = 0; i < argv.length; i++) {
     process.exit(2);
   }
 }
+// rsync's rows need rsync: say so before anything is created or started (a spawn of a missing
+// program fails asynchronously, after the servers are up)
+const wantRsync = !opt.tools || opt.tools.some((t) => t === "rsync" || t === "rsync-fsync");
+if (wantRsync && spawnSync("rsync", ["--version"]).error) {
+  console.error("rsync is not installed: bench/cp-vs-rsync.sh installs it, or leave its rows out (--tools ours,ours-down,ours-pull,node)");
+  process.exit(2);
+}
 const bytesOf = (s) => Number(/^(\d+)/.exec(s)[1]) * { "": 1, k: 1024, m: 1024 ** 2, g: 1024 ** 3 }[(/[kmg]?$/i.exec(s)[0] || "").toLowerCase()];
 const SIZE = bytesOf(opt.size);
 const TICK = Number(spawnSync("getconf", ["CLK_TCK"], { encoding: "utf8" }).stdout.trim() || 100);
@@ -203,16 +210,18 @@ kids.push(oursDown);
 track(oursDown.pid, "ours-down");
 const oursDownPort = Number((await waitLine(oursDown, / on .*:(\d+)/))[1]);
 const rsyncPort = 20000 + (process.pid % 20000);
-writeFileSync(join(work, "rsyncd.conf"), `port = ${rsyncPort}\nuse chroot = no\n[d]\npath = ${dst.rsync}\nread only = false\nuid = root\ngid = root\n[f]\npath = ${dst["rsync-fsync"]}\nread only = false\nuid = root\ngid = root\n`);
-const rsyncd = spawn(...inServer("rsync", ["--daemon", "--no-detach", `--config=${join(work, "rsyncd.conf")}`, `--address=${HOST}`]), { stdio: ["ignore", "pipe", "inherit"] });
-kids.push(rsyncd);
-track(rsyncd.pid, "rsync");
+if (wantRsync) {
+  writeFileSync(join(work, "rsyncd.conf"), `port = ${rsyncPort}\nuse chroot = no\n[d]\npath = ${dst.rsync}\nread only = false\nuid = root\ngid = root\n[f]\npath = ${dst["rsync-fsync"]}\nread only = false\nuid = root\ngid = root\n`);
+  const rsyncd = spawn(...inServer("rsync", ["--daemon", "--no-detach", `--config=${join(work, "rsyncd.conf")}`, `--address=${HOST}`]), { stdio: ["ignore", "pipe", "inherit"] });
+  kids.push(rsyncd);
+  track(rsyncd.pid, "rsync");
+}
 const nodeSrv = spawn(...inServer(process.execPath, [join(root, "bench", "lib", "node-pipe.mjs"), "server", dst.node]), { stdio: ["ignore", "pipe", "inherit"] });
 kids.push(nodeSrv);
 track(nodeSrv.pid, "node");
 const nodePort = Number((await waitLine(nodeSrv, /port (\d+)/))[1]);
 // the rsync daemon is up once it answers a module listing
-for (let i = 0; spawnSync(...inClient("rsync", [`rsync://${HOST}:${rsyncPort}/`])).status !== 0; i++) {
+for (let i = 0; wantRsync && spawnSync(...inClient("rsync", [`rsync://${HOST}:${rsyncPort}/`])).status !== 0; i++) {
   if (i > 100) throw new Error("rsync daemon did not start");
   await new Promise((r) => setTimeout(r, 100));
 }

@@ -29,9 +29,9 @@ const USAGE = "usage: node bench/net-vs-node.mjs [--runs N] [--provider tcp|verb
 const role = process.argv[2] === "--server" ? "server" : "client";
 
 async function lib(impl, provider) {
-  if (impl === "node") return { createServer: (l) => net.createServer(l), connect: (p, h) => net.connect(p, h) };
+  if (impl === "node") return { createServer: (l, o = {}) => net.createServer(o, l), connect: (p, h) => net.connect(p, h) };
   const m = await import(join(ROOT, "dist", "src", "net", "index.js"));
-  return { createServer: (l) => m.createServer({ provider }, l), connect: (p, h) => m.connect(p, h, { provider }) };
+  return { createServer: (l, o = {}) => m.createServer({ provider, ...o }, l), connect: (p, h) => m.connect(p, h, { provider }) };
 }
 
 if (role === "server") {
@@ -44,6 +44,7 @@ if (role === "server") {
     server = L.createServer((s) => hs.emit("connection", s));
   } else {
     let n = 0;
+    // half-open: the server answers ("k") after the client's end, which would otherwise end it too
     server = L.createServer((s) => {
       const done = () => s.end("k");
       if (workload === "pipeline") {
@@ -54,7 +55,7 @@ if (role === "server") {
         s.on("data", () => {});
         s.on("end", done);
       }
-    });
+    }, { allowHalfOpen: true });
   }
   server.listen(0, "127.0.0.1", () => console.log(JSON.stringify({ type: "listening", port: server.address().port })));
 } else {

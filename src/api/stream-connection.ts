@@ -35,8 +35,8 @@ export interface StreamConnection {
   share(name: string, lmr: LocalMr, opts?: ShareOptions): SharedMr;
   /** Opens the peer's ring. */
   openSharedMr(name: string, opts: { signal: AbortSignal }): Promise<RemoteMr>;
-  /** Closes the connection when the stream ends (unless `closeConnection: false`). */
-  close(): Promise<void>;
+  /** Closes the connection when the stream ends (unless `closeConnection: false`); with `flush`, once the peer has what was sent. */
+  close(opts?: { flush?: boolean; timeoutMs?: number }): Promise<void>;
   /** The connection keeps the process alive (stream.ref()). */
   ref(): unknown;
   /** The connection lets the process exit (stream.unref()). */

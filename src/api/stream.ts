@@ -38,6 +38,8 @@ export { MAX_CHUNK, MAX_INFLIGHT, RING };
 const WRITE_HWM = 256 * 1024;
 /** The readable side's high-water mark (as a net.Socket's). */
 const READ_HWM = 64 * 1024;
+/** How long a stream destroyed after its end was sent waits for the peer to receive it before the connection closes anyway. */
+const END_FLUSH_MS = 2000;
 
 /** Connections that carry a stream (one at a time). */
 const streams = new WeakSet<object>();
@@ -174,6 +176,10 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
       if (this.loops > 0) return;
       // The peer closes once both directions ended: after its FIN and ours, that is the normal end.
       if (this.peerFin && (this.writableFinished || this.finSent)) return void this.destroy();
+      // The peer ended its side, then closed (destroyed right after end()): all its data is here. With
+      // nothing of ours waiting to go, the stream ends as if the peer had waited: the readable side ends
+      // once read, and this side's end meets the closed connection as one that arrived (_final).
+      if (this.peerFin && this.inflight === 0 && this.writableLength === 0) return;
       this.destroy(new RdmaError("CONNECTION_CLOSED", "stream: the peer closed the connection before ending the stream (reset)"));
     } else this.destroy(e instanceof Error ? e : new Error(String(e)));
   }
@@ -429,7 +435,15 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     });
   }
 
-  /** Duplex: `destroy()` — stops at once and closes the connection (unless `closeConnection: false`). */
+  /**
+   * Duplex: `destroy()` — stops at once and closes the connection (unless
+   * `closeConnection: false`). After `end()`, once every byte written was
+   * posted, the end still reaches the peer (its FIN, which waits for the
+   * WRITEs in flight, goes now, and the connection closes behind it), as a
+   * `net.Socket`'s peer sees the end of a socket destroyed after `end()`;
+   * with bytes still unsent the peer sees a reset, never a clean end of
+   * truncated data.
+   */
   override _destroy(err: Error | null, cb: (e?: Error | null) => void): void {
     this.idle.clear();
     const rdma = this.rdma;
@@ -439,14 +453,26 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
       return cb(err);
     }
     streams.delete(rdma);
+    const endNow = this.writableEnded && this.writableLength === 0 && !this.finSent && this.failed === null && !rdma.isClosed;
+    if (endNow) {
+      this.finSent = true;
+      this.post(rdma, encodeFin(this.credit.posted), () => {});
+    }
+    // an end _final deferred until the WRITEs in flight complete never goes after this (it went above, or the peer sees a reset)
+    this.idleWaiters = [];
     this.stop.abort();
-    this.peerRing.free();
+    // Giving up the peer's ring revokes this side's access to it: with our end on its way, only once the
+    // WRITEs ahead of it (and the end itself) completed or failed, so none is cut off mid-payload.
+    if (endNow && this.inflight > 0) this.idleWaiters.push(() => this.peerRing.free());
+    else this.peerRing.free();
     // WRITEs still in flight hold it: it is freed when they end
     this.sendRing.free();
     // The ring is freed once the peer can no longer reach it (the share revoked in order, or the connection gone).
     const freed = this.recvRing.release();
     if (!this.ownsConn) return void freed.then(() => cb(err));
-    rdma.close().then(
+    // an end posted just now: the close waits, a bounded time, until the peer has it (one _final posted
+    // went out before: its completion came before 'finish', or it is posted ahead of the close)
+    rdma.close(endNow ? { flush: true, timeoutMs: END_FLUSH_MS } : undefined).then(
       () => cb(err),
       () => cb(err),
     );

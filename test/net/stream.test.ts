@@ -245,6 +245,52 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
     });
   }
 
+  it("issue 21: destroy() right after end(), every byte posted: the peer still reads everything and a clean end (as a net.Socket's peer does)", async () => {
+    const p = await apiPair();
+    try {
+      const a = p.client.createStream();
+      const b = p.server.createStream();
+      const errors: Error[] = [];
+      b.on("error", (e) => errors.push(e));
+      const got = sink(b);
+      // the ring is open once a first write has arrived
+      a.write(Buffer.alloc(10, 1));
+      await eventually(() => b.bytesRead === 10, DEADLINE, "the first write to arrive");
+      // 256 KiB: posted at once (within the ring credit), its WRITEs still in flight when end() is followed by destroy()
+      const last = Buffer.alloc(256 << 10, 2);
+      a.end(last);
+      assert.equal(a.writableLength, 0, "every byte was posted before destroy()");
+      a.destroy();
+      const r = await got;
+      assert.deepEqual(errors, [], "the peer saw no reset");
+      assert.equal(r.bytes, 10 + (256 << 10));
+      assert.equal(b.readableEnded, true);
+    } finally {
+      await p.close();
+    }
+  });
+
+  it("issue 21: destroy() after end() with bytes not yet posted: the peer sees a reset, never a clean end of truncated data", async () => {
+    const p = await apiPair();
+    try {
+      const a = p.client.createStream();
+      const b = p.server.createStream();
+      const errors: Error[] = [];
+      b.on("error", (e) => errors.push(e));
+      b.resume();
+      // no ring yet: the write waits for it, unposted, when destroy() comes
+      a.end(Buffer.alloc(100_000, 3));
+      assert.ok(a.writableLength > 0, "the bytes are still in the stream's buffer");
+      a.destroy();
+      await eventually(() => b.destroyed, DEADLINE, "the peer's stream to end");
+      assert.equal(b.readableEnded, false, "no clean end");
+      assert.equal(errors.length, 1);
+      assert.ok(errors[0] instanceof RdmaError && errors[0].code === "CONNECTION_CLOSED", String(errors[0]));
+    } finally {
+      await p.close();
+    }
+  });
+
   it("issue 22 point 1: a dead peer (SIGKILL) mid-transfer gives 'error' then 'close' within the liveness bound", { timeout: 120_000 * SLOW }, async () => {
     const peer = join(dirname(fileURLToPath(import.meta.url)), "..", "support", "net-peer.js");
     let srv: RdmaStream | null = null;

@@ -54,13 +54,6 @@ export class ReadPort {
 /** Counters of direct reads (tests and benchmarks): reads tried, reads that placed bytes, and those bytes. */
 export const directStats = { attempts: 0, reads: 0, bytes: 0 };
 
-/**
- * Tests turn direct reads off with `directReads = false` for sockets made
- * after (the read buffer then carries every byte), and may lower the
- * per-turn budget (`turnMax`).
- */
-export const directOptions = { directReads: true, turnMax: 1024 * 1024 };
-
 interface FdHandle {
   _handle: { fd?: unknown } | null;
 }
@@ -73,6 +66,13 @@ interface FdHandle {
  * at most that plus DIRECT_TURN_MAX, however many sockets pull.
  */
 export const DIRECT_TURN_MAX = 1024 * 1024;
+
+/**
+ * Tests turn direct reads off with `directReads = false` for sockets made
+ * after (the read buffer then carries every byte), and may lower the
+ * per-turn budget (`turnMax`, DIRECT_TURN_MAX unless a test lowered it).
+ */
+export const directOptions = { directReads: true, turnMax: DIRECT_TURN_MAX };
 /** Bytes direct reads took in this turn (back to 0 at the end of a turn that took any). */
 let turnUsed = 0;
 let budgetReset: NodeJS.Immediate | null = null;
