@@ -25,7 +25,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do LAYOUTS="$LAYOUTS $1"; shift; done
 FILTERS=${*:-}
 DEFAULT_FILTERS="conformance api verbs/ fuzz/ rpc/ net/ agent/reuse"
 LAYOUTS=${LAYOUTS:-"single veth"}
-CM_FILTERS=${TEST_VERBS_CM:-"api/connection api/data api/peer-death api/rdmacm api/auth api/send-copy api/staging rpc/"}
+CM_FILTERS=${TEST_VERBS_CM:-"api/connection api/data api/peer-death api/rdmacm api/auth api/send-copy api/staging rpc/ net/"}
 if ! ls build/Release/*.node >/dev/null 2>&1; then
   echo "test-verbs: the native addon is not built (build/Release/*.node missing): run 'npm run build:native' (needs libibverbs-dev, librdmacm-dev)" >&2
   exit 1

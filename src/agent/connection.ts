@@ -509,6 +509,18 @@ export class Connection implements PartsHost {
     this.life.fail(err);
   }
 
+  /**
+   * The peer ended the connection out of band (RDMA CM DISCONNECTED), which
+   * can overtake completions still in the CQ: what completed before (its
+   * last messages, its CLOSE) is taken first, as if the end had come in
+   * band, then the connection fails with `err` (nothing more when the
+   * CLOSE was among them).
+   */
+  failAfterDrain(err: RdmaError): void {
+    if (this.failure === null) this.poller.pollNow();
+    this.life.fail(err);
+  }
+
   /** A connection whose setup failed before start(): destroys its QP and CQ and frees what it posted. */
   abandon(reason: RdmaError): void {
     this.life.abandon(reason);

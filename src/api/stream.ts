@@ -425,7 +425,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
         this.finSent = true;
         this.post(rdma, encodeFin(this.credit.posted), (e) => {
           // The peer closes only once both directions ended: a FIN whose completion lost that race had arrived.
-          if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED" && this.readableEnded) e = null;
+          if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED" && (this.readableEnded || this.peerFin)) e = null;
           this.sent(e);
           cb(e);
         });
@@ -437,11 +437,13 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
 
   /**
    * Duplex: `destroy()` — stops at once and closes the connection (unless
-   * `closeConnection: false`). After `end()`, once every byte written was
-   * posted, the end still reaches the peer (its FIN, which waits for the
-   * WRITEs in flight, goes now, and the connection closes behind it), as a
-   * `net.Socket`'s peer sees the end of a socket destroyed after `end()`;
-   * with bytes still unsent the peer sees a reset, never a clean end of
+   * `closeConnection: false`); writes still waiting call back with an
+   * error. Destroyed without an error after `end()`, once every byte
+   * written was posted, the end still reaches the peer (its FIN, which waits
+   * for the WRITEs in flight, goes now, and the connection closes behind it
+   * with a bounded flush), as a `net.Socket`'s peer sees the end of a socket
+   * destroyed after `end()`. With bytes still unsent, an error or
+   * `resetAndDestroy()` the peer sees a reset, never a clean end of
    * truncated data.
    */
   override _destroy(err: Error | null, cb: (e?: Error | null) => void): void {
@@ -453,10 +455,17 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
       return cb(err);
     }
     streams.delete(rdma);
-    const endNow = this.writableEnded && this.writableLength === 0 && !this.finSent && this.failed === null && !rdma.isClosed;
+    const endNow = err === null && !this.resetting && this.writableEnded && this.writableLength === 0 && !this.finSent && this.failed === null && !rdma.isClosed;
     if (endNow) {
       this.finSent = true;
-      this.post(rdma, encodeFin(this.credit.posted), () => {});
+      this.post(rdma, encodeFin(this.credit.posted), () => this.sent(null));
+    }
+    // a write waiting for credit or ring space settles now (its callback, and those buffered behind it, are called)
+    const w = this.waiting;
+    this.waiting = null;
+    if (w) {
+      this.failed ??= err ?? new RdmaError("CONNECTION_CLOSED", "stream: destroyed");
+      w();
     }
     // an end _final deferred until the WRITEs in flight complete never goes after this (it went above, or the peer sees a reset)
     this.idleWaiters = [];
@@ -470,9 +479,10 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     // The ring is freed once the peer can no longer reach it (the share revoked in order, or the connection gone).
     const freed = this.recvRing.release();
     if (!this.ownsConn) return void freed.then(() => cb(err));
-    // an end posted just now: the close waits, a bounded time, until the peer has it (one _final posted
-    // went out before: its completion came before 'finish', or it is posted ahead of the close)
-    rdma.close(endNow ? { flush: true, timeoutMs: END_FLUSH_MS } : undefined).then(
+    // an end posted (now, or by _final and not yet complete): the close waits, a bounded time, until the
+    // peer has it; a close without flush would overtake it (it goes in the control lane)
+    const flush = endNow || (err === null && !this.resetting && this.finSent && this.failed === null && !this.writableFinished);
+    rdma.close(flush ? { flush: true, timeoutMs: END_FLUSH_MS } : undefined).then(
       () => cb(err),
       () => cb(err),
     );
@@ -529,6 +539,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   }
 
   private refed = true;
+  private resetting = false;
   /** Aborts the stream's waiting receive when it ends, so a connection it leaves open loses no message. */
   private readonly stop = new AbortController();
   private applyRef(): void {
@@ -545,6 +556,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
 
   /** Closes the stream (and the connection under it) without ending it: the peer gets an error, as for a reset socket. */
   resetAndDestroy(): this {
+    this.resetting = true;
     return this.destroy();
   }
 }

@@ -270,6 +270,109 @@ describe(`issue 22 point 1: async-rdma/net stream [${PROVIDER}, ${CM}]`, () => {
     }
   });
 
+  it("issue 21: end() then destroy() with nothing in flight (the end already posted by end() itself): the peer sees a clean end", async () => {
+    const p = await apiPair();
+    try {
+      const a = p.client.createStream();
+      const b = p.server.createStream();
+      const errors: Error[] = [];
+      b.on("error", (e) => errors.push(e));
+      const got = sink(b);
+      await new Promise<void>((r) => a.write(Buffer.alloc(10, 1), () => r()));
+      await eventually(() => b.bytesRead === 10 && a.writableLength === 0, DEADLINE, "the write to arrive and complete");
+      a.end();
+      a.destroy();
+      const r = await got;
+      assert.deepEqual(errors, [], "the peer saw no reset");
+      assert.equal(r.bytes, 10);
+    } finally {
+      await p.close();
+    }
+  });
+
+  it("issue 21: destroy() right after end() with closeConnection: false: the peer's ring is given up once the WRITEs and the end completed", async () => {
+    const p = await apiPair();
+    try {
+      const a = p.client.createStream({ closeConnection: false });
+      const b = p.server.createStream({ closeConnection: false, allowHalfOpen: true });
+      b.on("error", () => {});
+      const got = sink(b);
+      a.write(Buffer.alloc(10, 1));
+      await eventually(() => b.bytesRead === 10, DEADLINE, "the first write to arrive");
+      const ring = (a as unknown as { peerRing: { rmr: { released: boolean } } }).peerRing.rmr;
+      a.end(Buffer.alloc(256 << 10, 2));
+      a.destroy();
+      assert.equal((await got).bytes, 10 + (256 << 10));
+      await eventually(() => ring.released, DEADLINE, "the peer's ring to be given up");
+    } finally {
+      await p.close();
+    }
+  });
+
+  it("issue 21: resetAndDestroy() after end(), every byte posted: the peer sees a reset (as for a reset socket)", async () => {
+    const p = await apiPair();
+    try {
+      const a = p.client.createStream();
+      const b = p.server.createStream();
+      const errors: Error[] = [];
+      b.on("error", (e) => errors.push(e));
+      b.resume();
+      a.write(Buffer.alloc(10, 1));
+      await eventually(() => b.bytesRead === 10, DEADLINE, "the first write to arrive");
+      a.end(Buffer.alloc(256 << 10, 2));
+      a.resetAndDestroy();
+      await eventually(() => b.destroyed, DEADLINE, "the peer's stream to end");
+      assert.equal(errors.length, 1, "the peer saw a reset");
+      assert.equal(b.readableEnded, false);
+    } finally {
+      await p.close();
+    }
+  });
+
+  for (const half of [true, false]) {
+    it(`issue 21: the peer ends and closes at once; this side (allowHalfOpen ${half}) ends its own side before reading, then reads everything (as a net.Socket does)`, async () => {
+      const p = await apiPair();
+      try {
+        const a = p.client.createStream();
+        const b = p.server.createStream({ allowHalfOpen: half });
+        const errors: Error[] = [];
+        b.on("error", (e) => errors.push(e));
+        b.pause();
+        a.write(Buffer.alloc(10, 1));
+        await eventually(() => b.bytesRead === 10, DEADLINE, "the first write to arrive");
+        a.end(Buffer.alloc(100_000, 2));
+        a.destroy();
+        const inner = b as unknown as { peerFin: boolean; loops: number };
+        await eventually(() => inner.peerFin && inner.loops === 0, DEADLINE, "this side to have the peer's end and its close");
+        b.end();
+        const r = await sink(b);
+        assert.equal(r.bytes, 100_010);
+        assert.deepEqual(errors, []);
+      } finally {
+        await p.close();
+      }
+    });
+  }
+
+  it("issue 21: destroy() while writes wait for ring credit calls every write's callback (with an error), as a net.Socket does", async () => {
+    const p = await apiPair();
+    try {
+      const a = p.client.createStream();
+      const b = p.server.createStream(); // never reads: the ring fills
+      b.on("error", () => {});
+      a.on("error", () => {});
+      const results: (Error | null | undefined)[] = [];
+      for (let i = 0; i < 24; i++) a.write(Buffer.alloc(64 << 10, i), (e) => results.push(e));
+      const inner = a as unknown as { waiting: unknown; inflight: number };
+      await eventually(() => inner.waiting !== null && inner.inflight === 0 && b.bytesRead >= RING, DEADLINE, "the writer to wait for ring credit");
+      a.destroy();
+      await eventually(() => results.length === 24, DEADLINE, "every write's callback");
+      assert.ok(results.some((e) => e instanceof Error), "the writes not sent failed");
+    } finally {
+      await p.close();
+    }
+  });
+
   it("issue 21: destroy() after end() with bytes not yet posted: the peer sees a reset, never a clean end of truncated data", async () => {
     const p = await apiPair();
     try {

@@ -18,7 +18,10 @@
  *
  * The CM id lives as long as the connection: a DISCONNECTED event (the peer
  * closed, or died and its kernel tore the id down) fails the connection with
- * CONNECTION_CLOSED; releasing the connection disconnects and destroys the id.
+ * CONNECTION_CLOSED, once the completions already in the CQ were taken (the
+ * DREQ can overtake them: the peer's last messages and its CLOSE stay
+ * delivered, as over the side channel); releasing the connection
+ * disconnects and destroys the id.
  */
 import { isIP } from "node:net";
 import { lookup } from "node:dns/promises";
@@ -75,7 +78,8 @@ export function connectQp(conn: Connection, id: CmId, peerQpn: number, peerPsn: 
 /** After establishment: DISCONNECTED fails the connection; its release disconnects and destroys the id. */
 export function attach(rdma: Rdma, conn: Connection, id: CmId): void {
   id.onEvent = (e: CmEvent) => {
-    if (e.type === T.DISCONNECTED) conn.fail(new RdmaError("CONNECTION_CLOSED", "the peer disconnected (RDMA CM DISCONNECTED)"));
+    // the DREQ can overtake the peer's last completions (its CLOSE among them): those are taken first
+    if (e.type === T.DISCONNECTED) conn.failAfterDrain(new RdmaError("CONNECTION_CLOSED", "the peer disconnected (RDMA CM DISCONNECTED)"));
     else if (e.type === T.DEVICE_REMOVAL) conn.fail(new RdmaError("CONNECTION_CLOSED", "the RDMA device was removed (RDMA CM DEVICE_REMOVAL)"));
   };
   rdma.onReleased = () => {
