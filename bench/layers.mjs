@@ -26,7 +26,7 @@
 import net from "node:net";
 import { createHook } from "node:async_hooks";
 import { loadavg } from "node:os";
-import { nodeRpcClient, serveNodeEcho } from "./lib/node-rpc.mjs";
+import { nodeRpcPair } from "./lib/node-rpc.mjs";
 
 const args = Object.fromEntries(process.argv.slice(2).reduce((a, v, i, all) => (v.startsWith("--") ? [...a, [v.slice(2), all[i + 1]]] : a), []));
 const TRIPS = Number(args.trips ?? 20000);
@@ -166,15 +166,10 @@ async function node() {
 }
 
 async function nodeRpc() {
-  const srv = net.createServer({ noDelay: true }, serveNodeEcho);
-  await new Promise((r) => srv.listen(0, "127.0.0.1", r));
-  const s = net.connect({ port: srv.address().port, host: "127.0.0.1", noDelay: true });
-  await new Promise((r) => s.once("connect", r));
-  const call = nodeRpcClient(s);
+  const rpc = await nodeRpcPair();
   const payload = Buffer.alloc(SIZE, 7);
-  const r = await measure(() => call(payload));
-  s.destroy();
-  srv.close();
+  const r = await measure(() => rpc.call(payload));
+  rpc.close();
   return r;
 }
 

@@ -15,7 +15,7 @@
 //
 // A program that reports: it never fails on a number.
 import net from "node:net";
-import { nodeRpcClient, serveNodeEcho } from "./lib/node-rpc.mjs";
+import { nodeRpcPair } from "./lib/node-rpc.mjs";
 
 const args = Object.fromEntries(process.argv.slice(2).reduce((a, v, i, all) => (v.startsWith("--") ? [...a, [v.slice(2), all[i + 1]]] : a), []));
 const RUNS = Number(args.runs ?? 4);
@@ -47,15 +47,10 @@ async function ours() {
 }
 
 async function nodeRpc() {
-  const srv = net.createServer({ noDelay: true }, serveNodeEcho);
-  await new Promise((r) => srv.listen(0, "127.0.0.1", r));
-  const s = net.connect({ port: srv.address().port, host: "127.0.0.1", noDelay: true });
-  await new Promise((r) => s.once("connect", r));
-  const call = nodeRpcClient(s);
+  const rpc = await nodeRpcPair();
   const payload = Buffer.alloc(SIZE, 7);
-  const us = await measure(() => call(payload));
-  s.destroy();
-  srv.close();
+  const us = await measure(() => rpc.call(payload));
+  rpc.close();
   return us;
 }
 

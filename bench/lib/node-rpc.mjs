@@ -4,6 +4,7 @@
 // (u32 id, u32 length, big-endian) then the payload. The server echoes each
 // whole frame as soon as it is parsed; the client matches replies to calls
 // by id through a Map, as a minimal RPC client on `net.Socket` would.
+import net from "node:net";
 
 /** Makes `s` (a connected net.Socket) an echo server: every frame it reads is written back. */
 export function serveNodeEcho(s) {
@@ -49,4 +50,19 @@ export function nodeRpcClient(s) {
       pending.set(id, r);
       s.write(Buffer.concat([h, b]));
     });
+}
+
+/** Server and client of the echo RPC in this process, on loopback: `call(bytes)`, and `close()`. */
+export async function nodeRpcPair() {
+  const srv = net.createServer({ noDelay: true }, serveNodeEcho);
+  await new Promise((r) => srv.listen(0, "127.0.0.1", r));
+  const s = net.connect({ port: srv.address().port, host: "127.0.0.1", noDelay: true });
+  await new Promise((r) => s.once("connect", r));
+  return {
+    call: nodeRpcClient(s),
+    close: () => {
+      s.destroy();
+      srv.close();
+    },
+  };
 }

@@ -17,6 +17,7 @@ import { OpTable, newOp } from "../../src/agent/ops.js";
 import { SendLanes, type SendRecord } from "../../src/agent/send-lanes.js";
 import { Traffic } from "../../src/agent/stats.js";
 import { PROVIDER, pattern, withApiPair } from "../support/api.js";
+import { rng } from "../support/rng.js";
 
 /** A lanes host whose post() checks the list it is lent, and may run code inside the post (a re-entrant flush). */
 function lanesWith(peerDepth: number, inPost: (batch: SendWr[]) => void) {
@@ -62,17 +63,6 @@ function tagged(tag: number): LocalMr {
   new Uint8Array(buffer)[0] = tag;
   const mr = { pd: null, buffer, offset: 0, addr: 0, length: 1, lkey: 0, rkey: 0, access: 0, deregistered: false, deregister() {} } as unknown as MemoryRegion;
   return new LocalMr(new LocalMemory(null, { mr, addr: 0, length: 1, buffer, bufOffset: 0, mrBufOffset: 0 }), 0, 1);
-}
-
-/** xorshift: sizes and kinds, the same every run. */
-function rng(seed: number): () => number {
-  let x = seed >>> 0 || 1;
-  return () => {
-    x ^= x << 13;
-    x ^= x >>> 17;
-    x ^= x << 5;
-    return (x >>> 0) / 0x100000000;
-  };
 }
 
 describe("issue 21 point 1: reused records never carry one message's data or wrId into another", () => {

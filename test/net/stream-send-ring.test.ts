@@ -12,16 +12,7 @@ import assert from "node:assert/strict";
 import { RdmaStream } from "../../src/api/stream.js";
 import { RING } from "../../src/api/stream-ring.js";
 import { RdmaError } from "../../src/index.js";
-
-function rng(seed: number): () => number {
-  let x = seed >>> 0 || 1;
-  return () => {
-    x ^= x << 13;
-    x ^= x >>> 17;
-    x ^= x << 5;
-    return (x >>> 0) / 2 ** 32;
-  };
-}
+import { rng } from "../support/rng.js";
 
 interface Region {
   start: number;

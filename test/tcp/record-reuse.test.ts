@@ -25,6 +25,7 @@ import assert from "node:assert/strict";
 import { SendFlags, WcOpcode, WrOpcode, wcStatusName, type Device, type MemoryRegion, type SendWr } from "../../src/transport/types.js";
 import { tcpProvider } from "../../src/transport/tcp/index.js";
 import { ALL_REMOTE, DEADLINE_MS, bytes, makeSide, sge, type Side } from "../support/seam.js";
+import { rng } from "../support/rng.js";
 
 const HOST = "127.0.0.1";
 /** WRs per round, and receives the receiver keeps posted at most. */
@@ -37,19 +38,6 @@ const devices: Device[] = [];
 after(() => {
   for (const d of devices.splice(0)) d.close();
 });
-
-/** A small deterministic generator (the seed is printed on failure). */
-function rng(seed: number): () => number {
-  let s = seed >>> 0 || 1;
-  return () => {
-    s ^= s << 13;
-    s >>>= 0;
-    s ^= s >>> 17;
-    s ^= s << 5;
-    s >>>= 0;
-    return s / 0x100000000;
-  };
-}
 
 interface Pair {
   a: Side;
