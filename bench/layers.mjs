@@ -8,7 +8,10 @@
 //          the CQ (what the agent does underneath)
 //   api    rdma.send() / rdma.receive() (the agent: credits, lanes, inbox)
 //   rpc    RpcClient.call() on an RpcServer echo (the RPC layer on top)
-//   node   net.Socket ping-pong of one fixed buffer (the floor)
+//   net    the same ping-pong over async-rdma/net streams (stream.Duplex on
+//          the api: a WRITE with immediate into the peer's ring per write)
+//   node   net.Socket ping-pong of one fixed buffer (the floor, and the
+//          reference for the net row)
 //   node-rpc  the echo RPC on net.Socket that bench/rpc-vs-node.mjs measures
 //          (bench/lib/node-rpc.mjs: framed, ids matched through a Map), the
 //          reference for the rpc row
@@ -20,7 +23,7 @@
 // counts the `await`s of the measuring loop too: two per round trip for the
 // api and rpc rows, none for seam and node).
 //
-//   node bench/layers.mjs [--trips 20000] [--warmup-ms 2000] [--runs 3]
+//   node bench/layers.mjs [--trips 20000] [--warmup-ms 2000] [--runs 3] [--only api,net,...]
 //
 // A program that reports: it never fails on a number.
 import net from "node:net";
@@ -50,7 +53,7 @@ async function measure(trip) {
   const c0 = process.cpuUsage();
   for (let i = 0; i < TRIPS; i++) await trip();
   const c = process.cpuUsage(c0);
-  return { us: (c.user + c.system) / TRIPS, promises: promises / 200 };
+  return { us: (c.user + c.system) / TRIPS, user: c.user / TRIPS, sys: c.system / TRIPS, promises: promises / 200 };
 }
 
 /** The seam: two QPs, each side re-posts its receive and the B side answers every SEND. */
@@ -149,20 +152,29 @@ async function rpc() {
 }
 
 async function node() {
-  const srv = net.createServer({ noDelay: true }, (s) => {
+  return pingPong(net, {});
+}
+
+/** The node ping-pong on async-rdma/net: `mod` is node:net or async-rdma/net. */
+async function pingPong(mod, opts) {
+  const srv = mod.createServer({ ...opts, noDelay: true }, (s) => {
     s.on("data", (d) => s.write(d));
     s.on("error", () => {});
   });
   await new Promise((r) => srv.listen(0, "127.0.0.1", r));
-  const s = net.connect({ port: srv.address().port, host: "127.0.0.1", noDelay: true });
+  const s = mod.connect({ ...opts, port: srv.address().port, host: "127.0.0.1", noDelay: true });
   await new Promise((r) => s.once("connect", r));
   let done = null;
   s.on("data", () => done());
   const frame = Buffer.alloc(12 + SIZE);
   const r = await measure(() => new Promise((res) => ((done = res), s.write(frame))));
   s.destroy();
-  srv.close();
+  await new Promise((r) => srv.close(r));
   return r;
+}
+
+async function stream() {
+  return pingPong(await import(new URL("net/index.js", dist)), { provider: "tcp" });
 }
 
 async function nodeRpc() {
@@ -173,16 +185,19 @@ async function nodeRpc() {
   return r;
 }
 
-const layers = { seam, api, rpc, node, "node-rpc": nodeRpc };
+const all = { seam, api, rpc, net: stream, node, "node-rpc": nodeRpc };
+const only = args.only ? String(args.only).split(",") : Object.keys(all);
+for (const k of only) if (!(k in all)) throw new Error(`--only: no layer ${k} (${Object.keys(all).join(", ")})`);
+const layers = Object.fromEntries(only.map((k) => [k, all[k]]));
 const res = Object.fromEntries(Object.keys(layers).map((k) => [k, []]));
 for (let i = 0; i < RUNS; i++) for (const [k, f] of Object.entries(layers)) res[k].push(await f());
 const med = (xs) => xs.slice().sort((a, b) => a - b)[Math.floor(xs.length / 2)];
 console.log(`# the message path's budget per 32-byte round trip, both sides in one process; ${TRIPS} trips after ${WARMUP_MS} ms of warm-up, ${RUNS} runs (medians); load ${loadavg()[0].toFixed(2)}`);
-console.log("| layer | CPU µs / round trip | × node | × node-rpc | promises / round trip (incl. the loop's awaits) |");
-console.log("|---|---|---|---|---|");
-const n = med(res.node.map((x) => x.us));
-const nr = med(res["node-rpc"].map((x) => x.us));
+console.log("| layer | CPU µs / round trip | of it user / system | × node | × node-rpc | promises / round trip (incl. the loop's awaits) |");
+console.log("|---|---|---|---|---|---|");
+const n = res.node ? med(res.node.map((x) => x.us)) : NaN;
+const nr = res["node-rpc"] ? med(res["node-rpc"].map((x) => x.us)) : NaN;
 for (const k of Object.keys(layers)) {
   const us = med(res[k].map((x) => x.us));
-  console.log(`| ${k} | ${us.toFixed(1)} | ${(us / n).toFixed(2)} | ${(us / nr).toFixed(2)} | ${med(res[k].map((x) => x.promises)).toFixed(1)} |`);
+  console.log(`| ${k} | ${us.toFixed(1)} | ${med(res[k].map((x) => x.user)).toFixed(1)} / ${med(res[k].map((x) => x.sys)).toFixed(1)} | ${(us / n).toFixed(2)} | ${(us / nr).toFixed(2)} | ${med(res[k].map((x) => x.promises)).toFixed(1)} |`);
 }

@@ -18,5 +18,5 @@ export { RdmaError, isRdmaError, type RdmaErrorCode } from "./errors.js";
 export { Access } from "./transport/types.js";
 export type { PollingMode } from "./agent/poller.js";
 export type { ProviderChoice } from "./transport/providers.js";
-export { RdmaStream, type StreamOptions, type StreamConnection } from "./api/stream.js";
+export { RdmaStream, type OnRead, type StreamOptions, type StreamConnection } from "./api/stream.js";
 export type { PoolStats } from "./memory/pool.js";

@@ -49,4 +49,20 @@ export interface StreamOptions {
   allowHalfOpen?: boolean;
   /** Whether destroying the stream, or its end in both directions, closes the connection (default true). */
   closeConnection?: boolean;
+  /**
+   * As `net.Socket`'s `onread`: incoming bytes are copied into one buffer of
+   * yours (or one `buffer()` returns, asked before each delivery) and handed
+   * to `callback(nread, buffer)` instead of 'data' events; returning false
+   * pauses the stream (as `pause()`; `resume()` goes on). No buffer is
+   * allocated per chunk: bytes not yet delivered wait in the receive ring.
+   */
+  onread?: OnRead | null;
+}
+
+/** The `onread` option (see {@link StreamOptions.onread}). */
+export interface OnRead {
+  /** The buffer each delivery fills from its start, or a function returning the one to fill next. */
+  buffer: Uint8Array | (() => Uint8Array);
+  /** Called with the bytes delivered (1..buffer.length) and the buffer; false pauses the stream. */
+  callback: (nread: number, buffer: Uint8Array) => boolean | void;
 }

@@ -26,12 +26,12 @@ import { Duplex } from "node:stream";
 import { isIP } from "node:net";
 import { RdmaError } from "../errors.js";
 import type { LocalMr, RemoteMr } from "../memory/mr.js";
-import type { StreamConnection, StreamOptions } from "./stream-connection.js";
+import type { OnRead, StreamConnection, StreamOptions } from "./stream-connection.js";
 import { MAX_CHUNK, MAX_INFLIGHT, RING, PeerRing, ReceiveRing, RingCredit, SendRing } from "./stream-ring.js";
 import { controlMr, decodeControl, describeControl, encodeFin, encodeRingName, encodeRingRequest, encodeWnd, sendControl } from "./stream-wire.js";
 import { IdleTimer } from "./stream-idle.js";
 
-export type { StreamConnection, StreamOptions };
+export type { OnRead, StreamConnection, StreamOptions };
 export { MAX_CHUNK, MAX_INFLIGHT, RING };
 
 /** The writable side's buffer: writes made while the ring is full or MAX_INFLIGHT are posted wait in it, then are copied into the send ring together (writev). */
@@ -82,10 +82,16 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   bytesWritten = 0;
   /** True until the connection is established. */
   connecting = false;
+  /** The `onread` option: bytes go to its callback instead of 'data' (null: the Readable gets them). */
+  private readonly onread: OnRead | null;
+  /** With `onread`: bytes handed to its callback (the rest of bytesRead waits in the ring). */
+  private delivered = 0;
+  private deliverScheduled = false;
 
   /** @internal */
   constructor(rdma: C | null, opts: StreamOptions = {}) {
     super({ allowHalfOpen: opts.allowHalfOpen ?? false, writableHighWaterMark: WRITE_HWM, readableHighWaterMark: READ_HWM, emitClose: true, autoDestroy: true, decodeStrings: true });
+    this.onread = checkOnRead(opts.onread);
     this.ownsConn = opts.closeConnection ?? true;
     if (rdma) this.attach(rdma);
     else this.connecting = true;
@@ -139,9 +145,9 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     this.withConn(() => this.grant());
   }
 
-  /** Bytes the application has taken from the readable side. */
+  /** Bytes the application has taken from the readable side (with `onread`: handed to its callback). */
   private consumed(): number {
-    return this.bytesRead - this.readableLength;
+    return this.onread !== null ? this.delivered : this.bytesRead - this.readableLength;
   }
 
   /** Gives the peer back the ring credit the application has consumed (in steps of a quarter ring). */
@@ -184,11 +190,59 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     } else this.destroy(e instanceof Error ? e : new Error(String(e)));
   }
 
-  /** The peer's data has all been read once its FIN came and its total is in. */
+  /** The peer's data has all been read once its FIN came and its total is in (with `onread`: delivered). */
   private checkEnd(): void {
-    if (this.peerFin || this.credit.peerFinAt < 0 || this.bytesRead < this.credit.peerFinAt) return;
+    if (this.peerFin || this.credit.peerFinAt < 0 || (this.onread !== null ? this.delivered : this.bytesRead) < this.credit.peerFinAt) return;
     this.peerFin = true;
     this.push(null);
+    // With onread nothing is ever buffered: read(0) lets 'end' out even if no one made the stream flow (as net)
+    if (this.onread !== null) this.read(0);
+  }
+
+  /**
+   * With `onread`: copies what waits in the ring into the caller's buffer and
+   * calls back, until all is delivered or the stream is paused; then gives
+   * the ring credit back. A callback that throws destroys the stream with
+   * that error (the process lives on).
+   */
+  private deliver(): void {
+    const o = this.onread!;
+    while (!this.destroyed && !this.isPaused() && this.delivered < this.bytesRead) {
+      const ring = this.recvRing.bytes;
+      if (!ring) return;
+      let buf: Uint8Array;
+      let more: boolean | void;
+      try {
+        buf = typeof o.buffer === "function" ? o.buffer() : o.buffer;
+        if (!(buf instanceof Uint8Array) || buf.length === 0) throw new RdmaError("INVALID_ARGUMENT", "stream: onread.buffer() must return a non-empty Uint8Array");
+        const off = this.delivered % RING;
+        // bytes are at stream offset % RING (a chunk never wraps), so a span ends at most at the ring's end
+        const n = Math.min(this.bytesRead - this.delivered, RING - off, buf.length);
+        buf.set(ring.subarray(off, off + n));
+        this.delivered += n;
+        more = o.callback(n, buf);
+      } catch (e) {
+        this.destroy(e instanceof Error ? e : new Error(String(e)));
+        return;
+      }
+      if (more === false) this.pause();
+    }
+    if (this.destroyed) return;
+    this.grant();
+    this.checkEnd();
+  }
+
+  /** As `net.Socket`: with `onread`, delivery goes on where `pause()` or a callback's false stopped it. */
+  override resume(): this {
+    super.resume();
+    if (this.onread !== null && !this.deliverScheduled) {
+      this.deliverScheduled = true;
+      process.nextTick(() => {
+        this.deliverScheduled = false;
+        if (this.rdma && !this.destroyed) this.deliver();
+      });
+    }
+    return this;
   }
 
   /** Takes every control message the peer sends, as it arrives. */
@@ -258,6 +312,13 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
         if (this.destroyed || !ring) return;
         const bad = this.credit.chunkError(len, this.bytesRead);
         if (bad !== null) return this.protocol(bad);
+        if (this.onread !== null) {
+          // the chunk waits in the ring until delivered: the credit keeps the peer off undelivered bytes
+          this.bytesRead += len;
+          this.idle.touch();
+          this.deliver();
+          return next();
+        }
         const off = this.bytesRead % RING;
         // a copy (that ring space is free again), into a buffer no one zeroed first: every byte is written
         const data = Buffer.allocUnsafe(len);
@@ -559,6 +620,15 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     this.resetting = true;
     return this.destroy();
   }
+}
+
+/** The `onread` option, checked: null when not given. */
+function checkOnRead(o: OnRead | null | undefined): OnRead | null {
+  if (o === undefined || o === null) return null;
+  const b = (o as Partial<OnRead>).buffer;
+  const ok = typeof o === "object" && typeof o.callback === "function" && (typeof b === "function" || (b instanceof Uint8Array && b.length > 0));
+  if (!ok) throw new RdmaError("INVALID_ARGUMENT", "onread: expected { buffer: a non-empty Uint8Array or a function returning one, callback: a function }");
+  return o;
 }
 
 /** @internal rdma.createStream() */

@@ -12,7 +12,7 @@ import { RdmaError } from "../errors.js";
 import { RdmaBuilder } from "../api/builder.js";
 import type { RdmaListener } from "../api/listener.js";
 import type { Rdma } from "../api/rdma.js";
-import { RdmaStream as Stream, type StreamOptions } from "../api/stream.js";
+import { RdmaStream as Stream, type OnRead, type StreamOptions } from "../api/stream.js";
 import type { AuthOptions } from "../api/auth.js";
 import type { ProviderChoice } from "../transport/providers.js";
 import type { PollingMode } from "../agent/poller.js";
@@ -21,12 +21,14 @@ import type { PollingMode } from "../agent/poller.js";
 export type RdmaStream = Stream<Rdma>;
 /** The stream class (a `stream.Duplex`): what `connect` returns and a server hands out. */
 export const RdmaStream = Stream;
+/** The `onread` option of `connect()` (as `net.connect`'s). */
+export type { OnRead };
 
 /**
  * The connection's settings. `builder` gives them all (any RdmaBuilder you set up);
  * the other fields are shorthands applied on top of it.
  */
-export interface RdmaNetOptions extends StreamOptions {
+export interface RdmaNetOptions extends Omit<StreamOptions, "onread"> {
   /** A builder carrying every setting; default: `new RdmaBuilder()`. */
   builder?: RdmaBuilder;
   /** "verbs", "tcp" or "auto" (default: the builder's, i.e. ASYNC_RDMA_PROVIDER or "auto"). */
@@ -45,8 +47,20 @@ export interface RdmaNetOptions extends StreamOptions {
   connectTimeout?: number;
 }
 
+/** Options of a socket that connect() dials: the connection's, and `onread` (as `net.connect`'s). */
+export interface DialOptions extends RdmaNetOptions {
+  /**
+   * Incoming bytes are copied into one buffer of yours (or one `buffer()`
+   * returns, asked before each delivery) and handed to `callback(nread, buffer)`
+   * instead of 'data' events; returning false pauses the socket (`resume()`
+   * goes on). No buffer is allocated per chunk. A server's sockets do not take
+   * it (as `net.Server`'s).
+   */
+  onread?: OnRead | null;
+}
+
 /** Options of connect()/createConnection() given as one object. */
-export interface ConnectOptions extends RdmaNetOptions {
+export interface ConnectOptions extends DialOptions {
   port: number;
   host?: string;
 }
@@ -65,6 +79,11 @@ function builderOf(o: RdmaNetOptions): RdmaBuilder {
 
 function streamOpts(o: RdmaNetOptions): StreamOptions {
   return { ...(o.allowHalfOpen === undefined ? {} : { allowHalfOpen: o.allowHalfOpen }) };
+}
+
+/** A dialed socket's: `onread` too (as `net.connect`; a server's sockets do not take it, as net.Server's). */
+function connectStreamOpts(o: DialOptions): StreamOptions {
+  return { ...streamOpts(o), ...(o.onread === undefined ? {} : { onread: o.onread }) };
 }
 
 function hostPort(host: string, port: number): string {
@@ -101,7 +120,7 @@ export class Socket extends Stream<Rdma> {
   }
 }
 
-type ConnectArgs = [port: number, host?: string, options?: RdmaNetOptions, listener?: () => void] | [options: ConnectOptions, listener?: () => void];
+type ConnectArgs = [port: number, host?: string, options?: DialOptions, listener?: () => void] | [options: ConnectOptions, listener?: () => void];
 
 /**
  * Connects to an `async-rdma/net` server (as `net.connect`): returns the
@@ -111,7 +130,7 @@ type ConnectArgs = [port: number, host?: string, options?: RdmaNetOptions, liste
 export function connect(...args: ConnectArgs): Socket {
   let port: number;
   let host = "localhost";
-  let opts: RdmaNetOptions = {};
+  let opts: DialOptions = {};
   let listener: (() => void) | undefined;
   if (typeof args[0] === "object" && args[0] !== null) {
     const o = args[0];
@@ -124,12 +143,12 @@ export function connect(...args: ConnectArgs): Socket {
     for (const a of args.slice(1)) {
       if (typeof a === "string") host = a;
       else if (typeof a === "function") listener = a as () => void;
-      else if (a && typeof a === "object") opts = a as RdmaNetOptions;
+      else if (a && typeof a === "object") opts = a as DialOptions;
     }
   }
   if (!Number.isInteger(port) || port < 0 || port > 65535) throw new RdmaError("INVALID_ARGUMENT", `connect: port must be an integer in 0..65535, got ${String(port)}`);
   const b = builderOf(opts);
-  const s = new Socket(streamOpts(opts));
+  const s = new Socket(connectStreamOpts(opts));
   if (listener) s.once("connect", listener);
   return s.start(b, host, port);
 }
