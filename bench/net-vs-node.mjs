@@ -5,6 +5,9 @@
 // first alternates too), medians reported with the load average:
 //   pipeline: a 200 MiB file → socket → file with stream.pipeline(), until the server's ack
 //   small:    100,000 writes of 100 bytes (respecting back-pressure), until the server's ack
+//   download: the server writes --mib MiB from memory (64 KiB writes), the client reads it with 'data'
+//   onread:   the same read with `onread` into one reused 64 KiB buffer (net.connect's option; no
+//             buffer allocated per chunk on either side)
 //   http c=1, http c=64: GET requests/s through an unmodified http.Server, keep-alive Agent
 // Each run does its workload on a fresh server, first once ("cold": V8 still
 // compiling, connections opening), then again until --warmup-ms (default
@@ -13,7 +16,7 @@
 // reported: the library has far more JavaScript than node:net, and V8 takes
 // thousands of requests to optimise it.
 //
-//   node bench/net-vs-node.mjs [--runs 3] [--provider tcp] [--mib 200] [--warmup-ms 2000] [--json] [--only pipeline,small,http1,http64]
+//   node bench/net-vs-node.mjs [--runs 3] [--provider tcp] [--mib 200] [--warmup-ms 2000] [--json] [--only pipeline,small,download,onread,http1,http64]
 // A program that reports: it never fails on a number.
 import { spawn } from "node:child_process";
 import { createReadStream, createWriteStream, writeFileSync, rmSync, mkdtempSync } from "node:fs";
@@ -25,23 +28,33 @@ import http from "node:http";
 import net from "node:net";
 import { ROOT, flags, fmt, loadavg, machine, median, requireBuild, table, usageExit } from "./lib/common.mjs";
 
-const USAGE = "usage: node bench/net-vs-node.mjs [--runs N] [--provider tcp|verbs] [--mib 200] [--warmup-ms 2000] [--json] [--only pipeline,small,http1,http64]";
+const USAGE = "usage: node bench/net-vs-node.mjs [--runs N] [--provider tcp|verbs] [--mib 200] [--warmup-ms 2000] [--json] [--only pipeline,small,download,onread,http1,http64]";
 const role = process.argv[2] === "--server" ? "server" : "client";
 
 async function lib(impl, provider) {
-  if (impl === "node") return { createServer: (l, o = {}) => net.createServer(o, l), connect: (p, h) => net.connect(p, h) };
+  if (impl === "node") return { createServer: (l, o = {}) => net.createServer(o, l), connect: (p, h, x = {}) => net.connect({ port: p, host: h, ...x }) };
   const m = await import(join(ROOT, "dist", "src", "net", "index.js"));
-  return { createServer: (l, o = {}) => m.createServer({ provider, ...o }, l), connect: (p, h) => m.connect(p, h, { provider }) };
+  return { createServer: (l, o = {}) => m.createServer({ provider, ...o }, l), connect: (p, h, x = {}) => m.connect(p, h, { provider, ...x }) };
 }
 
 if (role === "server") {
-  // node bench/net-vs-node.mjs --server <impl> <provider> <workload> <dir>
-  const [, , , impl, provider, workload, dir] = process.argv;
+  // node bench/net-vs-node.mjs --server <impl> <provider> <workload> <dir> <mib>
+  const [, , , impl, provider, workload, dir, mib] = process.argv;
   const L = await lib(impl, provider);
   let server;
   if (workload.startsWith("http")) {
     const hs = http.createServer({ keepAliveTimeout: 60_000 }, (_req, res) => res.end("ok"));
     server = L.createServer((s) => hs.emit("connection", s));
+  } else if (workload === "download" || workload === "onread") {
+    const chunk = Buffer.alloc(1 << 20);
+    for (let i = 0; i < chunk.length; i++) chunk[i] = (i * 31) % 251;
+    server = L.createServer((s) => {
+      s.on("error", () => {});
+      void (async () => {
+        for (let i = 0; i < Number(mib) * 16; i++) if (!s.write(chunk.subarray((i % 16) << 16, ((i % 16) + 1) << 16))) await once(s, "drain");
+        s.end();
+      })();
+    });
   } else {
     let n = 0;
     // half-open: the server answers ("k") after the client's end, which would otherwise end it too
@@ -61,7 +74,7 @@ if (role === "server") {
 } else {
   let o;
   try {
-    o = flags(process.argv.slice(2), { runs: 3, provider: "tcp", mib: 200, "warmup-ms": 2000, json: false, only: "pipeline,small,http1,http64" });
+    o = flags(process.argv.slice(2), { runs: 3, provider: "tcp", mib: 200, "warmup-ms": 2000, json: false, only: "pipeline,small,download,onread,http1,http64" });
   } catch (e) {
     usageExit(e.message, USAGE);
   }
@@ -79,7 +92,7 @@ if (role === "server") {
   }
 
   async function startServer(impl, workload) {
-    const child = spawn(process.execPath, [new URL(import.meta.url).pathname, "--server", impl, o.provider, workload, dir], { stdio: ["ignore", "pipe", "inherit"] });
+    const child = spawn(process.execPath, [new URL(import.meta.url).pathname, "--server", impl, o.provider, workload, dir, String(o.mib)], { stdio: ["ignore", "pipe", "inherit"] });
     let buf = "";
     const port = await new Promise((res, rej) => {
       child.stdout.on("data", (d) => {
@@ -121,6 +134,23 @@ if (role === "server") {
       await a;
       const sec = (performance.now() - t0) / 1000;
       return { value: 100_000 / sec / 1000, unit: "k writes/s" };
+    },
+    async download(L, port) {
+      const t0 = performance.now();
+      const s = L.connect(port, "127.0.0.1");
+      let n = 0;
+      s.on("data", (d) => void (n += d.length));
+      await once(s, "end");
+      s.destroy();
+      return { value: (n / 1e6) / ((performance.now() - t0) / 1000), unit: "MB/s" };
+    },
+    async onread(L, port) {
+      const t0 = performance.now();
+      let n = 0;
+      const s = L.connect(port, "127.0.0.1", { onread: { buffer: Buffer.allocUnsafe(64 * 1024), callback: (k) => void (n += k) } });
+      await once(s, "end");
+      s.destroy();
+      return { value: (n / 1e6) / ((performance.now() - t0) / 1000), unit: "MB/s" };
     },
     http1: (L, port) => httpLoad(L, port, 1, 2_000),
     http64: (L, port) => httpLoad(L, port, 64, 10_000),
