@@ -13,7 +13,7 @@ import { once } from "node:events";
 import { RdmaError } from "../../src/index.js";
 import { connect, createServer, type OnRead, type RdmaStream, type Server } from "../../src/net/index.js";
 import { RING } from "../../src/api/stream.js";
-import { CM, HOST, PROVIDER, builder, eventually } from "../support/api.js";
+import { CM, HOST, PROVIDER, apiPair, builder, eventually } from "../support/api.js";
 import { SLOW } from "../support/seam.js";
 
 const DEADLINE = 20_000 * SLOW;
@@ -211,7 +211,23 @@ describe(`issue 21: async-rdma/net connect({ onread }) [${PROVIDER}, ${CM}]`, ()
     }
   });
 
-  it("issue 21: a malformed onread is refused at connect() with INVALID_ARGUMENT, before anything is dialed", () => {
+  it("issue 21: rdma.createStream({ onread }) over an existing connection: the bytes come through the callback, then 'end'", { timeout: 120_000 * SLOW }, async () => {
+    const p = await apiPair();
+    try {
+      const data = bytesOf(RING / 2 + 99, 11);
+      const parts: Buffer[] = [];
+      const a = p.client.createStream({ onread: { buffer: new Uint8Array(50_000), callback: (n, buf) => void parts.push(Buffer.from(buf.subarray(0, n))) } });
+      const b = p.server.createStream();
+      b.end(data);
+      await once(a, "end");
+      assert.equal(sha(Buffer.concat(parts)), sha(data));
+      await eventually(() => p.client.isClosed && p.server.isClosed, DEADLINE, "both connections closed once both ends");
+    } finally {
+      await p.close();
+    }
+  });
+
+  it("issue 21: a malformed onread is refused at connect() (and createStream()) with INVALID_ARGUMENT, before anything is dialed", async () => {
     const bad: unknown[] = [
       {},
       { buffer: new Uint8Array(8) },
@@ -227,6 +243,18 @@ describe(`issue 21: async-rdma/net connect({ onread }) [${PROVIDER}, ${CM}]`, ()
         (e: unknown) => e instanceof RdmaError && e.code === "INVALID_ARGUMENT",
         JSON.stringify(onread),
       );
+    }
+    const p = await apiPair();
+    try {
+      assert.throws(
+        () => p.client.createStream({ onread: { buffer: new Uint8Array(0), callback: () => true } }),
+        (e: unknown) => e instanceof RdmaError && e.code === "INVALID_ARGUMENT",
+      );
+      // the refused stream did not take the connection: another may still be opened on it
+      const s = p.client.createStream();
+      s.destroy();
+    } finally {
+      await p.close();
     }
   });
 });
