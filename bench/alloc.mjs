@@ -2,7 +2,7 @@
 // Heap allocated per message on the send/receive path, both sides in this
 // process (tcp provider), and where it is allocated:
 //
-//   node bench/alloc.mjs [--messages 20000] [--window 64|1] [--size 64] [--sites 25] [--cpu-runs 3] [--cpu-only]
+//   node bench/alloc.mjs [--messages 20000] [--window 64|1] [--size 64] [--sites 25] [--cpu-runs 3] [--cpu-only] [--polling adaptive|event|busy]
 //
 // --window 64: the sender keeps 64 sends in flight (send-inprocess.mjs's
 // loop); --window 1: a ping-pong (send, the peer receives and answers).
@@ -14,6 +14,7 @@
 // CPU µs per message (process.cpuUsage, both sides; steadier than a rate on
 // a busy machine); --cpu-only prints that alone, as JSON. Sampled: a site's figure is an estimate (±10 %); the
 // total from the GC profiler is exact up to the last GC's granularity.
+// --polling: both sides' polling mode (default: the builder's, "adaptive").
 //
 // A program that reports: it never fails on a number.
 import v8 from "node:v8";
@@ -27,9 +28,10 @@ const SIZE = Number(args.size ?? 64);
 const SITES = Number(args.sites ?? 25);
 const { RdmaBuilder } = await import(new URL("../dist/src/index.js", import.meta.url));
 
-const listener = await new RdmaBuilder().setProvider("tcp").bind("127.0.0.1:0");
+const builder = () => (args.polling ? new RdmaBuilder().setProvider("tcp").setPolling(args.polling) : new RdmaBuilder().setProvider("tcp"));
+const listener = await builder().bind("127.0.0.1:0");
 const accepted = listener.accept();
-const c = await new RdmaBuilder().setProvider("tcp").connect(`127.0.0.1:${listener.port}`);
+const c = await builder().connect(`127.0.0.1:${listener.port}`);
 const s = await accepted;
 const cm = c.allocLocalMr(SIZE);
 const sm = s.allocLocalMr(SIZE);
