@@ -87,6 +87,12 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   /** With `onread`: bytes handed to its callback (the rest of bytesRead waits in the ring). */
   private delivered = 0;
   private deliverScheduled = false;
+  /**
+   * With `onread`: delivery stopped (pause(), or a callback's false), as
+   * net's readStop; not the Readable's flowing state, which a 'readable'
+   * listener also turns off.
+   */
+  private stopped = false;
 
   /** @internal */
   constructor(rdma: C | null, opts: StreamOptions = {}) {
@@ -153,7 +159,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
   /** Gives the peer back the ring credit the application has consumed (in steps of a quarter ring). */
   private grant(): void {
     const rdma = this.rdma;
-    if (!rdma || this.destroyed || this.peerFin) return;
+    if (!rdma || this.destroyed || this.peerFin || this.allIn()) return;
     const give = this.credit.give(this.consumed());
     if (give === 0) return;
     const b = encodeWnd(give);
@@ -180,18 +186,29 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     if (this.destroyed) return;
     if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED") {
       if (this.loops > 0) return;
-      // The peer closes once both directions ended: after its FIN and ours, that is the normal end.
-      if (this.peerFin && (this.writableFinished || this.finSent)) return void this.destroy();
+      // The peer closes once both directions ended: after its FIN and ours, that is the normal end
+      // (with onread, bytes may still wait in the ring, undelivered: the stream ends once they are).
+      if (this.allIn() && (this.writableFinished || this.finSent)) {
+        if (this.peerFin) this.destroy();
+        return;
+      }
       // The peer ended its side, then closed (destroyed right after end()): all its data is here. With
       // nothing of ours waiting to go, the stream ends as if the peer had waited: the readable side ends
       // once read, and this side's end meets the closed connection as one that arrived (_final).
-      if (this.peerFin && this.inflight === 0 && this.writableLength === 0) return;
+      if (this.allIn() && this.inflight === 0 && this.writableLength === 0) return;
       this.destroy(new RdmaError("CONNECTION_CLOSED", "stream: the peer closed the connection before ending the stream (reset)"));
     } else this.destroy(e instanceof Error ? e : new Error(String(e)));
   }
 
+  /** The peer's FIN came and every byte it counts has arrived (with `onread`, some may wait in the ring, undelivered). */
+  private allIn(): boolean {
+    return this.credit.peerFinAt >= 0 && this.bytesRead >= this.credit.peerFinAt;
+  }
+
   /** The peer's data has all been read once its FIN came and its total is in (with `onread`: delivered). */
   private checkEnd(): void {
+    // as net: a socket whose onread delivery is stopped sees its end only once it goes on
+    if (this.onread !== null && this.stopped) return;
     if (this.peerFin || this.credit.peerFinAt < 0 || (this.onread !== null ? this.delivered : this.bytesRead) < this.credit.peerFinAt) return;
     this.peerFin = true;
     this.push(null);
@@ -207,7 +224,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
    */
   private deliver(): void {
     const o = this.onread!;
-    while (!this.destroyed && !this.isPaused() && this.delivered < this.bytesRead) {
+    while (!this.destroyed && !this.stopped && this.delivered < this.bytesRead) {
       const ring = this.recvRing.bytes;
       if (!ring) return;
       let buf: Uint8Array;
@@ -232,17 +249,35 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
     this.checkEnd();
   }
 
+  /** As `net.Socket`: with `onread`, also stops delivery (as net stops reading), until `resume()` or `read()`. */
+  override pause(): this {
+    if (this.onread !== null) this.stopped = true;
+    return super.pause();
+  }
+
+  /** As `net.Socket`: with `onread`, read() also goes on with a stopped delivery (the return type is Readable.read's). */
+  override read(n?: number): any {
+    if (this.onread !== null && this.stopped) this.restart();
+    return super.read(n);
+  }
+
   /** As `net.Socket`: with `onread`, delivery goes on where `pause()` or a callback's false stopped it. */
   override resume(): this {
     super.resume();
-    if (this.onread !== null && !this.deliverScheduled) {
+    if (this.onread !== null) this.restart();
+    return this;
+  }
+
+  /** With `onread`: delivery goes on, from the next tick (never inside the caller's resume() or read()). */
+  private restart(): void {
+    this.stopped = false;
+    if (!this.deliverScheduled) {
       this.deliverScheduled = true;
       process.nextTick(() => {
         this.deliverScheduled = false;
         if (this.rdma && !this.destroyed) this.deliver();
       });
     }
-    return this;
   }
 
   /** Takes every control message the peer sends, as it arrives. */
@@ -486,7 +521,7 @@ export class RdmaStream<C extends StreamConnection = StreamConnection> extends D
         this.finSent = true;
         this.post(rdma, encodeFin(this.credit.posted), (e) => {
           // The peer closes only once both directions ended: a FIN whose completion lost that race had arrived.
-          if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED" && (this.readableEnded || this.peerFin)) e = null;
+          if (e instanceof RdmaError && e.code === "CONNECTION_CLOSED" && (this.readableEnded || this.peerFin || this.allIn())) e = null;
           this.sent(e);
           cb(e);
         });

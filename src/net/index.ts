@@ -53,7 +53,7 @@ export interface DialOptions extends RdmaNetOptions {
    * Incoming bytes are copied into one buffer of yours (or one `buffer()`
    * returns, asked before each delivery) and handed to `callback(nread, buffer)`
    * instead of 'data' events; returning false pauses the socket (`resume()`
-   * goes on). No buffer is allocated per chunk. A server's sockets do not take
+   * or `read()` goes on, and 'end' waits for it). No buffer is allocated per chunk. A server's sockets do not take
    * it (as `net.Server`'s).
    */
   onread?: OnRead | null;

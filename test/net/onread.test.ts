@@ -45,6 +45,17 @@ async function serveBytes(data: Buffer): Promise<{ server: Server; port: number;
   return { server, port: server.address()!.port, sockets };
 }
 
+/** A server whose sockets `onSocket` handles (their errors ignored). */
+async function serveWith(onSocket: (s: RdmaStream) => void): Promise<{ server: Server; port: number }> {
+  const server = createServer({ builder: builder("server") }, (s) => {
+    s.on("error", () => {});
+    onSocket(s);
+  });
+  server.listen(0, HOST);
+  await once(server, "listening");
+  return { server, port: server.address()!.port };
+}
+
 function closeServer(server: Server): Promise<void> {
   return new Promise((r) => server.close(() => r()));
 }
@@ -222,6 +233,182 @@ describe(`issue 21: async-rdma/net connect({ onread }) [${PROVIDER}, ${CM}]`, ()
       await once(a, "end");
       assert.equal(sha(Buffer.concat(parts)), sha(data));
       await eventually(() => p.client.isClosed && p.server.isClosed, DEADLINE, "both connections closed once both ends");
+    } finally {
+      await p.close();
+    }
+  });
+
+  // From review: the peer's end, and its close, while the socket is paused with bytes not yet delivered.
+
+  /** The FIN's total the stream has taken from the peer (-1: none yet); the stream does not expose it. */
+  const finAt = (s: RdmaStream): number => (s as unknown as { credit: { peerFinAt: number } }).credit.peerFinAt;
+
+  /**
+   * Dials with an onread whose callback returns false once `pauseAt` bytes were delivered; once `ready(s)`
+   * holds (waited for with a deadline) checks that no 'end', 'close' or 'error' came while paused, resumes,
+   * and resolves with what was delivered and the events after.
+   */
+  async function pausedReader(port: number, pauseAt: number, ready: (s: RdmaStream) => boolean, opts: { endFirst?: boolean } = {}): Promise<{ delivered: number; events: string[] }> {
+    let delivered = 0;
+    const events: string[] = [];
+    let paused = false;
+    const s = connect(port, HOST, {
+      builder: builder("client"),
+      onread: {
+        buffer: new Uint8Array(16 * 1024),
+        callback: (n) => {
+          delivered += n;
+          if (!paused && delivered >= pauseAt) {
+            paused = true;
+            return false;
+          }
+          return true;
+        },
+      },
+    });
+    if (opts.endFirst) s.once("connect", () => s.end("request"));
+    s.on("error", (e) => events.push(`error ${e.message} @${delivered}`));
+    s.on("end", () => events.push(`end @${delivered}`));
+    s.on("close", () => events.push("close"));
+    const closed = once(s, "close");
+    await eventually(() => paused && ready(s), DEADLINE, "the paused socket's condition");
+    assert.equal(events.join(", "), "", "nothing ends a socket while its delivery is stopped");
+    events.push("resume");
+    s.resume();
+    await closed;
+    return { delivered, events };
+  }
+
+  it("issue 21: the peer replies and ends after our end (its side then closes the connection) while we are paused: every byte, then 'end' (no reset)", { timeout: 120_000 * SLOW }, async () => {
+    const N = 300_000;
+    let closedAtServer = false;
+    const { server, port } = await serveWith((s) => {
+      s.resume();
+      s.on("end", () => s.end(Buffer.alloc(N, 7)));
+      s.on("close", () => (closedAtServer = true));
+    });
+    try {
+      const r = await pausedReader(port, 1, (s) => s.bytesRead === N && closedAtServer, { endFirst: true });
+      assert.deepEqual(r, { delivered: N, events: ["resume", `end @${N}`, "close"] });
+    } finally {
+      await closeServer(server);
+    }
+  });
+
+  it("issue 21: the peer ends then destroys while we are paused (its end still reaches us, as net's): every byte, then 'end'", { timeout: 120_000 * SLOW }, async () => {
+    const N = 300_000;
+    let closedAtServer = false;
+    const { server, port } = await serveWith((s) => {
+      s.end(Buffer.alloc(N, 7), () => s.destroy());
+      s.on("close", () => (closedAtServer = true));
+    });
+    try {
+      const r = await pausedReader(port, 1, (s) => s.bytesRead === N && closedAtServer);
+      assert.deepEqual(r, { delivered: N, events: ["resume", `end @${N}`, "close"] });
+    } finally {
+      await closeServer(server);
+    }
+  });
+
+  it("issue 21: the peer's end arrives (connection open) while bytes wait undelivered: 'end' only once all are delivered", { timeout: 120_000 * SLOW }, async () => {
+    const N = 300_000;
+    const { server, port } = await serveWith((s) => s.end(Buffer.alloc(N, 7)));
+    try {
+      const r = await pausedReader(port, 1, (s) => s.bytesRead === N && finAt(s) === N);
+      assert.deepEqual(r, { delivered: N, events: ["resume", `end @${N}`, "close"] });
+    } finally {
+      await closeServer(server);
+    }
+  });
+
+  it("issue 21: as net, a socket paused by the callback's false on the last byte sees no 'end' before resume(), though the end has arrived", { timeout: 120_000 * SLOW }, async () => {
+    let ender: (() => void) | null = null;
+    const { server, port } = await serveWith((s) => {
+      s.write(Buffer.alloc(1000, 7));
+      ender = () => s.end();
+    });
+    try {
+      let asked = false;
+      const r = await pausedReader(port, 1000, (s) => {
+        if (!asked && ender) {
+          asked = true;
+          ender(); // the end goes once the socket paused on its last byte
+        }
+        return finAt(s) === 1000;
+      });
+      assert.deepEqual(r, { delivered: 1000, events: ["resume", "end @1000", "close"] });
+    } finally {
+      await closeServer(server);
+    }
+  });
+
+  it("issue 21: a 'readable' listener does not stop onread's delivery (as net's)", { timeout: 120_000 * SLOW }, async () => {
+    const N = 300_000;
+    const { server, port } = await serveWith((s) => s.end(Buffer.alloc(N, 7)));
+    try {
+      let delivered = 0;
+      const s = connect(port, HOST, { builder: builder("client"), onread: { buffer: new Uint8Array(8192), callback: (n) => void (delivered += n) } });
+      s.on("readable", () => {});
+      await eventually(() => delivered === N, DEADLINE, `every byte delivered (${delivered} of ${N}, ${s.bytesRead} arrived)`);
+      await eventually(() => s.readableEnded, DEADLINE, "'end'");
+      s.destroy();
+    } finally {
+      await closeServer(server);
+    }
+  });
+
+  it("issue 21: read() goes on with a delivery the callback's false stopped (as net's)", { timeout: 120_000 * SLOW }, async () => {
+    const N = 200_000;
+    const { server, port } = await serveWith((s) => s.end(Buffer.alloc(N, 7)));
+    try {
+      let delivered = 0;
+      let first = true;
+      const s = connect(port, HOST, {
+        builder: builder("client"),
+        onread: {
+          buffer: new Uint8Array(8192),
+          callback: (n) => {
+            delivered += n;
+            if (first) return (first = false);
+            return true;
+          },
+        },
+      });
+      await eventually(() => !first && s.bytesRead === N, DEADLINE, "the stop and every byte arrived");
+      assert.equal(delivered, 8192, "stopped after the first call");
+      s.read(0);
+      await eventually(() => delivered === N && s.readableEnded, DEADLINE, `the rest delivered after read(0) (${delivered})`);
+      s.destroy();
+    } finally {
+      await closeServer(server);
+    }
+  });
+
+  it("issue 21: closeConnection: false: ring credit for bytes delivered after the peer's stream ended never reaches the next stream on the connection", { timeout: 120_000 * SLOW }, async () => {
+    const p = await apiPair();
+    try {
+      let calls = 0;
+      const a = p.client.createStream({ closeConnection: false, allowHalfOpen: true, onread: { buffer: new Uint8Array(64 << 10), callback: () => ++calls > 1 } });
+      const b = p.server.createStream({ closeConnection: false, allowHalfOpen: true });
+      b.resume();
+      a.end();
+      b.end(Buffer.alloc(600_000, 1));
+      await once(b, "close");
+      a.resume();
+      await once(a, "end");
+      await once(a, "close");
+      const b2 = p.server.createStream();
+      const a2 = p.client.createStream();
+      const errors: Error[] = [];
+      b2.on("error", (e) => errors.push(e));
+      a2.on("error", (e) => errors.push(e));
+      a2.end(Buffer.alloc(1000, 2));
+      a2.resume();
+      let got = 0;
+      b2.on("data", (d: Buffer) => (got += d.length));
+      await eventually(() => b2.readableEnded || errors.length > 0, DEADLINE, "the next stream's end");
+      assert.deepEqual(errors, []);
+      assert.equal(got, 1000);
     } finally {
       await p.close();
     }
