@@ -393,10 +393,9 @@ describe(`issue 21: async-rdma/net connect({ onread }) [${PROVIDER}, ${CM}]`, ()
       b.resume();
       a.end();
       b.end(Buffer.alloc(600_000, 1));
-      await once(b, "close");
+      await eventually(() => b.closed, DEADLINE, `the writer's stream to close (a: ${a.bytesRead} arrived)`);
       a.resume();
-      await once(a, "end");
-      await once(a, "close");
+      await eventually(() => a.closed, DEADLINE, `the paused reader to end and close once resumed (${a.bytesRead} arrived, ended ${a.readableEnded})`);
       const b2 = p.server.createStream();
       const a2 = p.client.createStream();
       const errors: Error[] = [];
