@@ -54,8 +54,8 @@ export interface StreamOptions {
    * yours (or one `buffer()` returns, asked before each delivery) and handed
    * to `callback(nread, buffer)` instead of 'data' events; returning false
    * pauses the stream (as `pause()`; `resume()` or `read()` goes on, and
-   * 'end' waits for it). No buffer is
-   * allocated per chunk: bytes not yet delivered wait in the receive ring.
+   * 'end' waits for it). No buffer is allocated per chunk: bytes not yet
+   * delivered wait in the receive ring.
    */
   onread?: OnRead | null;
 }

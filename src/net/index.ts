@@ -51,10 +51,11 @@ export interface RdmaNetOptions extends Omit<StreamOptions, "onread"> {
 export interface DialOptions extends RdmaNetOptions {
   /**
    * Incoming bytes are copied into one buffer of yours (or one `buffer()`
-   * returns, asked before each delivery) and handed to `callback(nread, buffer)`
-   * instead of 'data' events; returning false pauses the socket (`resume()`
-   * or `read()` goes on, and 'end' waits for it). No buffer is allocated per chunk. A server's sockets do not take
-   * it (as `net.Server`'s).
+   * returns, asked before each delivery) and handed to `callback(nread,
+   * buffer)` instead of 'data' events; returning false pauses the socket
+   * (`resume()` or `read()` goes on, and 'end' waits for it). No buffer is
+   * allocated per chunk. A server's sockets do not take it (as
+   * `net.Server`'s).
    */
   onread?: OnRead | null;
 }
