@@ -7,13 +7,16 @@
 // so it may be rebuilt while the runs go on. Prints each metric's median, min
 // and max per side and the ratio of medians (head / base), with the load.
 //
-//   node bench/ab.mjs <commit> [--pairs 4] [--bench rpc-cpu,send-inprocess] [--keep]
+//   node bench/ab.mjs <commit> [--pairs 4] [--bench rpc-cpu,send-inprocess,heap-pingpong] [--keep]
 //
 // Benchmarks (in-process ones hold up on a loaded machine):
 //   rpc-cpu         CPU µs per 32 B echo call, client and server in one process (lower is better)
 //   rpc-cpu-4k      the same with 4 KiB payloads (rendezvous through bounce memory)
 //   send-inprocess  64 B messages/s, sender and receiver in one process (higher is better)
 //   send-4k         4 KiB messages/s, in one process (higher is better)
+//   heap-pingpong   heap bytes allocated per message in a 64 B ping-pong, both sides in one process
+//                   (bench/alloc.mjs --window 1; lower is better; exact, not sampled)
+//   heap-window     the same with 64 messages in flight (bench/alloc.mjs --window 64)
 //   rpc-vs-node     calls/s at 32 B c=1 (two processes; noisy on a busy machine)
 //   rpc-c64         calls/s at 32 B c=64 (two processes)
 //   rpc-4k-c64      calls/s at 4 KiB c=64 (two processes)
@@ -61,6 +64,8 @@ const BENCHES = {
   "rpc-cpu-4k": { args: ["bench/rpc-cpu.mjs", "--runs", "1", "--calls", String(Math.ceil(CALLS / 2)), "--size", "4096"], re: /async-rdma\/rpc \(tcp\): min ([\d.]+) µs/, unit: "µs/call", better: "lower" },
   "send-inprocess": { args: ["bench/send-inprocess.mjs", String(4 * CALLS), "128", "64"], re: /"messagesPerSec":(\d+)/, unit: "msg/s", better: "higher" },
   "send-4k": { args: ["bench/send-inprocess.mjs", String(2 * CALLS), "64", "4000"], re: /"messagesPerSec":(\d+)/, unit: "msg/s", better: "higher" },
+  "heap-pingpong": { args: ["bench/alloc.mjs", "--window", "1", "--cpu-runs", "1"], re: /GC profiler:\s+(\d+) B\/message/, unit: "B/message", better: "lower" },
+  "heap-window": { args: ["bench/alloc.mjs", "--window", "64", "--cpu-runs", "1"], re: /GC profiler:\s+(\d+) B\/message/, unit: "B/message", better: "lower" },
   "rpc-vs-node": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32"], re: /\| 32 B \| 1 \| (\d+) \|/, unit: "calls/s", better: "higher" },
   "rpc-c64": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32"], re: /\| 32 B \| 64 \| (\d+) \|/, unit: "calls/s", better: "higher" },
   "sendrecv-c64": { args: ["bench/rpc-vs-node.mjs", "--runs", "1", "--calls", String(CALLS), "--sizes", "32", "--layer", "sendrecv"], re: /\| 32 B \| 64 \| (\d+) \|/, unit: "calls/s", better: "higher" },
@@ -107,7 +112,7 @@ for (const [name, test] of [
   const oneway = ["bench/polling-cost.mjs", "--shape", "oneway", "--modes", "adaptive", "--runs", "1", "--calls", "10000"];
   BENCHES["oneway-c1"] = { args: oneway, re: cells(0), unit: "sends/s", better: "higher" };
 }
-const chosen = String(opt("bench", "rpc-cpu,send-inprocess")).split(",");
+const chosen = String(opt("bench", "rpc-cpu,send-inprocess,heap-pingpong")).split(",");
 for (const b of chosen) if (!BENCHES[b]) throw new Error(`unknown benchmark ${b} (known: ${Object.keys(BENCHES).join(", ")})`);
 
 // The base build: a detached worktree of <commit>, this tree's node_modules and bench/.
