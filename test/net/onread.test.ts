@@ -30,9 +30,8 @@ const sha = (b: Uint8Array): string => createHash("sha256").update(b).digest("he
 /** A server whose every socket writes `data` (in 64 KiB writes, respecting back-pressure) and ends. */
 async function serveBytes(data: Buffer): Promise<{ server: Server; port: number; sockets: RdmaStream[] }> {
   const sockets: RdmaStream[] = [];
-  const server = createServer({ builder: builder("server") }, (s) => {
+  const served = await serveWith((s) => {
     sockets.push(s);
-    s.on("error", () => {});
     void (async () => {
       for (let off = 0; off < data.length; off += 64 * 1024) {
         if (!s.write(data.subarray(off, Math.min(data.length, off + 64 * 1024)))) await once(s, "drain");
@@ -40,9 +39,7 @@ async function serveBytes(data: Buffer): Promise<{ server: Server; port: number;
       s.end();
     })().catch(() => {});
   });
-  server.listen(0, HOST);
-  await once(server, "listening");
-  return { server, port: server.address()!.port, sockets };
+  return { ...served, sockets };
 }
 
 /** A server whose sockets `onSocket` handles (their errors ignored). */
